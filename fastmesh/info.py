@@ -1,0 +1,187 @@
+"""``fastmesh info``: what was built, what the dispatcher holds, and whether this install is usable.
+
+Everything reported is read from the running system (the dispatcher, torch, triton, the loaded
+extension's compiled-in metadata), never from a hand-kept list. Exit code 0 means usable; otherwise
+the problems are printed and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fastmesh
+from fastmesh import _cpp_lib
+from fastmesh.ops._library import NAMESPACE
+
+_DISPATCH_KEY_LINE = re.compile(r"^(\w+): registered at ")
+
+
+def fastmesh_ops() -> list[str]:
+    """Every ``torch.ops.fastmesh`` op the dispatcher knows, as ``fastmesh::name``."""
+    return sorted(name for name in torch._C._dispatch_get_all_op_names() if name.startswith(f"{NAMESPACE}::"))
+
+
+def kernel_dispatch_keys(op: str) -> list[str]:
+    """Dispatch keys with a kernel registered for ``op`` (CPU, CUDA, Meta, Autograd...)."""
+    keys = [m.group(1) for line in torch._C._dispatch_dump(op).splitlines() if (m := _DISPATCH_KEY_LINE.match(line))]
+    # The dump also has header lines ("debug: registered at ..."); keep real dispatch keys only.
+    return [key for key in keys if key in torch._C.DispatchKey.__members__]
+
+
+def _extension_report() -> dict[str, Any]:
+    error = _cpp_lib.load_error()
+    if error is not None:
+        return {"loaded": False, "error": str(error), "build_info": None}
+    return {"loaded": True, "error": None, "build_info": _cpp_lib.build_info()}
+
+
+def _cuda_report() -> dict[str, Any]:
+    devices = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            devices.append(
+                {
+                    "index": index,
+                    "name": props.name,
+                    "capability": f"{props.major}.{props.minor}",
+                    "memory_gib": round(props.total_memory / 2**30, 1),
+                }
+            )
+    return {"torch_cuda_version": torch.version.cuda, "available": torch.cuda.is_available(), "devices": devices}
+
+
+def _distributed_report() -> dict[str, Any]:
+    if not dist.is_available():
+        return {"available": False, "backends": {}}
+    probes = {
+        "gloo": dist.is_gloo_available,
+        "nccl": dist.is_nccl_available,
+        "mpi": dist.is_mpi_available,
+        "ucc": dist.is_ucc_available,
+        "xccl": getattr(dist, "is_xccl_available", lambda: False),
+    }
+    return {"available": True, "backends": {name: bool(probe()) for name, probe in probes.items()}}
+
+
+def _symmetric_memory_report() -> dict[str, Any]:
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as error:
+        return {"available": False, "reason": f"torch.distributed._symmetric_memory does not import: {error}"}
+    if not torch.cuda.is_available():
+        return {"available": False, "reason": "torch has symmetric memory, but it needs CUDA devices and none is visible"}
+    return {"available": True, "reason": "torch.distributed._symmetric_memory imports and CUDA devices are visible"}
+
+
+def _triton_report() -> dict[str, Any]:
+    try:
+        import triton
+    except ImportError:
+        return {"version": None, "target": None, "mode": "not installed"}
+    try:
+        target = triton.runtime.driver.active.get_current_target()
+    except Exception as error:  # triton raises RuntimeError without a driver; older versions differ
+        return {"version": triton.__version__, "target": None, "mode": f"interpreter only (TRITON_INTERPRET=1): {error}"}
+    return {"version": triton.__version__, "target": f"{target.backend} {target.arch}", "mode": "compiles for the GPU"}
+
+
+def _problems(report: dict[str, Any]) -> list[str]:
+    problems = []
+    extension = report["extension"]
+    if not extension["loaded"]:
+        problems.append(extension["error"])
+        return problems
+    for op, keys in report["ops"].items():
+        if "CPU" not in keys:
+            problems.append(f"{op} has no CPU kernel")
+        if extension["build_info"]["build_cuda"] and "CUDA" not in keys:
+            problems.append(f"{op} has no CUDA kernel although the CUDA sources were built")
+    if not report["ops"]:
+        problems.append("no torch.ops.fastmesh op is registered")
+    return problems
+
+
+def collect() -> dict[str, Any]:
+    """The whole report as a JSON-serializable dict (what ``fastmesh info --json`` prints)."""
+    report: dict[str, Any] = {
+        "fastmesh": fastmesh.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": {"version": torch.__version__, "git_version": torch.version.git_version},
+        "extension": _extension_report(),
+        "cuda": _cuda_report(),
+        "distributed": _distributed_report(),
+        "symmetric_memory": _symmetric_memory_report(),
+        "triton": _triton_report(),
+    }
+    report["ops"] = {op: kernel_dispatch_keys(op) for op in fastmesh_ops()}
+    report["problems"] = _problems(report)
+    report["usable"] = not report["problems"]
+    return report
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"fastmesh        {report['fastmesh']}",
+        f"python          {report['python']} ({report['platform']})",
+        f"torch           {report['torch']['version']} (git {report['torch']['git_version'][:12]})",
+        f"triton          {report['triton']['version'] or 'not installed'}: {report['triton']['mode']}",
+        "",
+    ]
+    extension = report["extension"]
+    if extension["loaded"]:
+        build = extension["build_info"]
+        lines += [
+            f"fastmesh._C     loaded ({build['mode']} build)",
+            f"  built for     torch {build['torch_version']}, CUDA {build['torch_cuda_version']}, "
+            f"python {build['python_version']}",
+            f"  CUDA part     {build['reason']}",
+            f"  arch list     {build['cuda_arch_list']}",
+            f"  sources       {', '.join(build['sources'])}",
+            f"  cxx flags     {' '.join(build['cxx_flags'])}",
+            f"  nvcc flags    {' '.join(build['nvcc_flags']) or '-'}",
+            f"  source digest {build['source_digest'][:16]}",
+        ]
+    else:
+        lines.append(f"fastmesh._C     NOT LOADED: {extension['error']}")
+    lines += ["", "ops (dispatch keys with a kernel):"]
+    lines += [f"  {op:28s} {', '.join(keys)}" for op, keys in report["ops"].items()] or ["  (none)"]
+    cuda = report["cuda"]
+    lines += ["", f"CUDA            torch built with {cuda['torch_cuda_version'] or 'no CUDA'}; "
+              f"{len(cuda['devices'])} device(s) visible"]
+    lines += [
+        f"  cuda:{d['index']}        {d['name']} (sm {d['capability']}, {d['memory_gib']} GiB)" for d in cuda["devices"]
+    ]
+    backends = report["distributed"]["backends"]
+    lines.append("distributed     " + (", ".join(f"{n}={_yes_no(v)}" for n, v in backends.items()) or "unavailable"))
+    symm = report["symmetric_memory"]
+    lines.append(f"symmetric mem   {_yes_no(symm['available'])}: {symm['reason']}")
+    lines.append("")
+    if report["usable"]:
+        lines.append("status          usable")
+    else:
+        lines.append("status          NOT USABLE")
+        lines += [f"  - {problem}" for problem in report["problems"]]
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False) -> int:
+    report = collect()
+    print(json.dumps(report, indent=2) if as_json else format_report(report))
+    return 0 if report["usable"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
