@@ -1,0 +1,86 @@
+"""`fastmesh info`: reports what the dispatcher and the build hold; exit code says whether usable."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastmesh
+from fastmesh import _cpp_lib, info
+
+
+def run_cli(*args, env=None, prelude=""):
+    code = f"import sys\n{prelude}\nfrom fastmesh.__main__ import main\nsys.exit(main({list(args)!r}))"
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
+    )
+
+
+@pytest.mark.smoke
+def test_json_report_matches_dispatcher():
+    result = run_cli("info", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["usable"] and report["problems"] == []
+    assert report["fastmesh"] == fastmesh.__version__
+    assert report["torch"]["version"] == torch.__version__
+    assert report["extension"]["loaded"]
+    build = report["extension"]["build_info"]
+    assert build["torch_version"] == torch.__version__
+    assert "csrc/cpu/amax.cpp" in build["sources"]
+    assert ("csrc/cuda/amax.cu" in build["sources"]) == build["build_cuda"]
+    assert "fastmesh::amax" in report["ops"]
+    for op, keys in report["ops"].items():
+        for key in ("CPU", "CUDA", "Meta"):
+            assert (key in keys) == torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
+        assert "CPU" in keys
+        assert ("CUDA" in keys) == build["build_cuda"]
+
+
+def test_console_script_and_module_agree():
+    # Both entry points the README documents; the console script is what `pip install` put on PATH.
+    module = subprocess.run([sys.executable, "-m", "fastmesh", "info"], capture_output=True, text=True, timeout=300)
+    assert module.returncode == 0, module.stdout + module.stderr
+    assert "status          usable" in module.stdout
+    assert "fastmesh::amax" in module.stdout
+    script = os.path.join(os.path.dirname(sys.executable), "fastmesh")
+    if os.path.exists(script):
+        scripted = subprocess.run([script, "info"], capture_output=True, text=True, timeout=300)
+        assert scripted.returncode == 0 and "fastmesh::amax" in scripted.stdout
+
+
+def test_missing_extension_is_explained_and_fails():
+    result = run_cli("info", prelude="sys.modules['fastmesh._C'] = None  # as if never built")
+    assert result.returncode == 1, result.stdout
+    assert "fastmesh._C     NOT LOADED: fastmesh._C is not built" in result.stdout
+    assert "pip install --no-build-isolation -e ." in result.stdout
+    assert "NOT USABLE" in result.stdout
+    # Import still works and warns once instead of failing deep inside a stack.
+    assert "RuntimeWarning: fastmesh kernels are unavailable" in result.stderr
+
+
+def test_front_raises_extension_error_when_kernels_missing():
+    code = (
+        "import sys, warnings; sys.modules['fastmesh._C'] = None\n"
+        "warnings.simplefilter('ignore')\nimport torch, fastmesh\n"
+        "try:\n    fastmesh.amax(torch.ones(3))\nexcept fastmesh.ExtensionError as e:\n    print('ERR', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "ERR fastmesh._C is not built" in result.stdout, result.stdout + result.stderr
+
+
+def test_report_text_lists_sections():
+    text = info.format_report(info.collect())
+    for heading in ("fastmesh ", "torch ", "triton ", "fastmesh._C ", "ops (dispatch keys", "CUDA ", "distributed ",
+                    "symmetric mem ", "status "):
+        assert heading in text, heading
+
+
+def test_loaded_build_info_is_the_compiled_metadata():
+    build = _cpp_lib.build_info()
+    assert build["mode"] in ("setup", "jit")
+    assert build["python_version"] == sys.version.split()[0]
+    assert build["cxx_flags"] and isinstance(build["sources"], list)
