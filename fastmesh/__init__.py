@@ -8,12 +8,13 @@ not fail the import: it warns once, ``fastmesh info`` explains it, and every op 
 
 import warnings
 
+from fastmesh import fp8
 from fastmesh._cpp_lib import ExtensionError, load_error
 from fastmesh.mesh import group_name, init_mesh
 from fastmesh.ops import amax
 from fastmesh.version import __version__
 
-__all__ = ["ExtensionError", "__version__", "amax", "group_name", "init_mesh"]
+__all__ = ["ExtensionError", "__version__", "amax", "fp8", "group_name", "init_mesh"]
 
 
 def _load_kernels() -> None:

@@ -29,6 +29,11 @@ from dataclasses import asdict, dataclass, field
 
 DEFAULT_CUDA_ARCH_LIST = "8.0;9.0a"
 
+# Prefix of the metadata string compiled into the extension; lets the loader find and check the
+# metadata in the binary before loading it (loading a stale binary can abort the process when its
+# kernels no longer match the schemas).
+BUILD_INFO_MARKER = "FASTMESH_BUILD_INFO_V1"
+
 CXX_FLAGS = ["-O3"]
 NVCC_FLAGS = ["-O3", "-lineinfo"]
 
@@ -195,7 +200,7 @@ def build_info_header(plan: BuildPlan, root: str | None = None, mode: str = "set
         "max_jobs": os.environ.get("MAX_JOBS"),
         **asdict(plan),
     }
-    payload = json.dumps(info, indent=1, sort_keys=True)
+    payload = BUILD_INFO_MARKER + json.dumps(info, indent=1, sort_keys=True)
     delimiter = "fmbuild"  # C++ caps raw-string delimiters at 16 characters
     if f"){delimiter}" in payload:
         raise ValueError(f"build metadata contains the raw-string delimiter {delimiter!r}")
@@ -206,6 +211,24 @@ def build_info_header(plan: BuildPlan, root: str | None = None, mode: str = "set
         f'inline constexpr const char* kBuildInfoJson = R"{delimiter}({payload}){delimiter}";\n'
         "}  // namespace fastmesh\n"
     )
+
+
+def parse_build_info(text: str) -> dict:
+    """The metadata dict from the compiled-in string (as returned by ``_C.build_info()``)."""
+    if not text.startswith(BUILD_INFO_MARKER):
+        raise ValueError("not fastmesh build metadata")
+    return json.loads(text[len(BUILD_INFO_MARKER):])
+
+
+def read_embedded_build_info(binary_path: str) -> dict | None:
+    """The metadata compiled into an extension binary, read from the file without loading it."""
+    with open(binary_path, "rb") as f:
+        data = f.read()
+    start = data.find(BUILD_INFO_MARKER.encode())
+    if start < 0:
+        return None
+    end = data.find(b"\0", start)
+    return parse_build_info(data[start:end].decode())
 
 
 def write_if_changed(path: str, text: str) -> None:

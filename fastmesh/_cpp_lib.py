@@ -19,7 +19,8 @@ means a different C++ ABI) and, in a source checkout, against ``csrc/`` (a stale
 from __future__ import annotations
 
 import importlib
-import json
+import importlib.util
+import sys
 import logging
 import os
 import threading
@@ -92,26 +93,23 @@ def _build_jit() -> ModuleType:
         ) from error
 
 
-def _import_installed() -> ModuleType:
-    try:
-        return importlib.import_module("fastmesh._C")
-    except ModuleNotFoundError as error:
-        if error.name != "fastmesh._C":
-            raise
-        raise ExtensionError(
-            "fastmesh._C is not built: this fastmesh was not installed with its extension. "
-            f"From the repository root run `{REBUILD_COMMAND}` (or set FASTMESH_JIT=1 to compile it on first use)"
-        ) from error
-    except ImportError as error:
-        # Typically "undefined symbol": the binary was linked against another torch.
-        raise ExtensionError(
-            f"fastmesh._C failed to load ({error}); it was probably built against a different torch than "
-            f"torch {torch.__version__}. Rebuild with `{REBUILD_COMMAND}`"
-        ) from error
+def _not_built_error() -> ExtensionError:
+    return ExtensionError(
+        "fastmesh._C is not built: this fastmesh was not installed with its extension. "
+        f"From the repository root run `{REBUILD_COMMAND}` (or set FASTMESH_JIT=1 to compile it on first use)"
+    )
 
 
-def _check_installed(module: ModuleType) -> None:
-    info = json.loads(module.build_info())
+def _find_installed_binary() -> str:
+    if "fastmesh._C" in sys.modules and sys.modules["fastmesh._C"] is None:
+        raise _not_built_error()  # import blocked on purpose (how tests simulate a missing build)
+    spec = importlib.util.find_spec("fastmesh._C")
+    if spec is None or not spec.origin:
+        raise _not_built_error()
+    return spec.origin
+
+
+def _check_build_info(info: dict[str, Any]) -> None:
     if info["torch_version"] != torch.__version__ or info["torch_git_version"] != torch.version.git_version:
         raise ExtensionError(
             f"fastmesh._C was built against torch {info['torch_version']} but torch {torch.__version__} is "
@@ -127,6 +125,24 @@ def _check_installed(module: ModuleType) -> None:
             )
 
 
+def _import_installed() -> ModuleType:
+    # Checked before loading: a stale binary's kernels may no longer match the schemas, and the
+    # dispatcher aborts the process on such a mismatch at load time.
+    binary = _find_installed_binary()
+    info = _build_config.read_embedded_build_info(binary)
+    if info is None:
+        raise ExtensionError(f"{binary} carries no fastmesh build metadata; rebuild with `{REBUILD_COMMAND}`")
+    _check_build_info(info)
+    try:
+        return importlib.import_module("fastmesh._C")
+    except ImportError as error:
+        # Typically "undefined symbol": the binary was linked against another torch.
+        raise ExtensionError(
+            f"fastmesh._C failed to load ({error}); it was probably built against a different torch than "
+            f"torch {torch.__version__}. Rebuild with `{REBUILD_COMMAND}`"
+        ) from error
+
+
 def load() -> ModuleType:
     """Load the extension (once) and return it; raises :class:`ExtensionError` with the fix."""
     global _module, _error
@@ -140,7 +156,6 @@ def load() -> ModuleType:
                 module = _build_jit()
             else:
                 module = _import_installed()
-                _check_installed(module)
         except ExtensionError as error:
             _error = error
             raise
@@ -159,4 +174,4 @@ def load_error() -> ExtensionError | None:
 
 def build_info() -> dict[str, Any]:
     """Build metadata compiled into the loaded extension (versions, sources, flags, CUDA settings)."""
-    return json.loads(load().build_info())
+    return _build_config.parse_build_info(load().build_info())

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -12,18 +11,22 @@ import torch
 from fastmesh import _build_config, _cpp_lib
 
 
-def fake_module(**overrides):
-    info = {**_cpp_lib.build_info(), **overrides}
-    return types.SimpleNamespace(build_info=lambda: json.dumps(info))
+def build_info(**overrides):
+    return {**_cpp_lib.build_info(), **overrides}
 
 
 def test_current_build_passes_checks():
-    _cpp_lib._check_installed(fake_module())
+    _cpp_lib._check_build_info(build_info())
+
+
+def test_metadata_is_read_from_the_binary_without_loading_it():
+    binary = _cpp_lib.load().__file__
+    assert _build_config.read_embedded_build_info(binary) == _cpp_lib.build_info()
 
 
 def test_other_torch_is_an_abi_error():
     with pytest.raises(_cpp_lib.ExtensionError, match=r"built against torch 2\.0\.0 but torch .* is running"):
-        _cpp_lib._check_installed(fake_module(torch_version="2.0.0"))
+        _cpp_lib._check_build_info(build_info(torch_version="2.0.0"))
 
 
 def test_changed_sources_are_stale(monkeypatch):
@@ -31,9 +34,9 @@ def test_changed_sources_are_stale(monkeypatch):
         pytest.skip("installed without a source checkout: nothing to be stale against")
     monkeypatch.delenv("FASTMESH_ALLOW_STALE", raising=False)
     with pytest.raises(_cpp_lib.ExtensionError, match=r"stale: sources under .*csrc changed.*pip install"):
-        _cpp_lib._check_installed(fake_module(source_digest="0" * 64))
+        _cpp_lib._check_build_info(build_info(source_digest="0" * 64))
     monkeypatch.setenv("FASTMESH_ALLOW_STALE", "1")
-    _cpp_lib._check_installed(fake_module(source_digest="0" * 64))
+    _cpp_lib._check_build_info(build_info(source_digest="0" * 64))
 
 
 def test_undefined_symbol_is_explained(monkeypatch):

@@ -2,5 +2,6 @@
 
 from fastmesh.ops import _library
 from fastmesh.ops.amax import amax
+from fastmesh.ops.fp8 import Float8Quantized, quantize
 
-__all__ = ["amax"]
+__all__ = ["Float8Quantized", "amax", "quantize"]

@@ -1,27 +1,50 @@
 """The one home of fastmesh's op schemas.
 
-Every ``torch.ops.fastmesh`` op is defined here, once; kernels register against these schemas from
-C++/CUDA (``TORCH_LIBRARY_IMPL(fastmesh, CPU|CUDA, m)`` in ``csrc/``), and fake impls and autograd
-formulas from the op modules next to this file. Schemas live in Python rather than in ``_C`` so that
-the ops, their fake impls and therefore ``torch.compile`` tracing exist even where the extension
-failed to load, and so that Triton-backed ops can share the namespace.
+Every ``torch.ops.fastmesh`` op's signature is written here, once. Ops with only C++/CUDA kernels are
+defined here; kernels register against them from ``csrc/`` (``TORCH_LIBRARY_IMPL(fastmesh, CPU|CUDA,
+m)``) and fake impls come from the op modules next to this file. Ops whose Python body launches Triton
+kernels are ``torch.library.triton_op``s (so compiled graphs see the kernels); they are created in their
+op module from the signature given here, because a triton_op defines its own schema.
+
+Schemas live in Python rather than in ``_C`` so that the ops, their fake impls and therefore
+``torch.compile`` tracing exist even where the extension failed to load.
 """
 
 import torch
 
 NAMESPACE = "fastmesh"
 
-_SCHEMAS = {
-    "amax": "amax(Tensor x) -> Tensor",
+_QUANTIZE_SIGNATURE = (
+    "(Tensor x, ScalarType dtype, str granularity, Tensor? scale=None, Tensor? amax=None, bool transpose=False, "
+    "bool power_of_two=False) -> (Tensor data, Tensor scale, Tensor amax, Tensor? data_t, Tensor? scale_t)"
+)
+
+# name -> signature (without the name)
+_SIGNATURES = {
+    "amax": '(Tensor x, str granularity="tensorwise") -> Tensor',
+    # FP8 cast-and-scale: the triton_op users call, and the C++/CUDA kernels it dispatches to for CPU
+    # tensors and for CUDA tensors when the CUDA C++ implementation is selected.
+    "fp8_quantize": _QUANTIZE_SIGNATURE,
+    "fp8_quantize_native": _QUANTIZE_SIGNATURE,
 }
 
+# Created by torch.library.triton_op in their op module, with the signature above.
+_TRITON_OPS = {"fp8_quantize"}
+
 library = torch.library.Library(NAMESPACE, "FRAGMENT")
-for _schema in _SCHEMAS.values():
-    library.define(_schema, tags=(torch.Tag.pt2_compliant_tag,))
+for _name, _signature in _SIGNATURES.items():
+    if _name not in _TRITON_OPS:
+        library.define(_name + _signature, tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def qualified_name(op: str) -> str:
     """``"amax"`` -> ``"fastmesh::amax"``."""
-    if op not in _SCHEMAS:
-        raise KeyError(f"fastmesh defines no op {op!r}; known ops: {sorted(_SCHEMAS)}")
+    if op not in _SIGNATURES:
+        raise KeyError(f"fastmesh defines no op {op!r}; known ops: {sorted(_SIGNATURES)}")
     return f"{NAMESPACE}::{op}"
+
+
+def signature(op: str) -> str:
+    """The schema of ``op`` without its name, e.g. for ``torch.library.triton_op(..., schema=...)``."""
+    qualified_name(op)
+    return _SIGNATURES[op]

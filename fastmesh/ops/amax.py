@@ -1,59 +1,60 @@
-"""``fastmesh::amax``: the largest magnitude of a tensor, the first pass of FP8 current scaling.
+"""``fastmesh::amax``: the largest magnitude per FP8 scaling group, the first pass of current scaling.
 
-======  ==================  =========================================
-name    shape               dtype
-======  ==================  =========================================
-x       any (may be empty)  float32, bfloat16, float16
-result  ``[]`` (0-d)        float32, on ``x``'s device
-======  ==================  =========================================
+The groups are those of :func:`fastmesh.fp8.quantize` (x viewed as ``[M, K]``, leading dims flattened):
 
-Plain-PyTorch equivalent::
+==============  ==================  ==============================================
+granularity     x                   result (float32, on x's device)
+==============  ==================  ==============================================
+tensorwise      any shape           ``[]``
+rowwise         ``[..., K]``        ``[..., 1]``
+block1x128      ``[..., K]``        ``[..., ceil(K/128)]``
+block128x128    ``[..., K]``, 2-D+  ``[ceil(M/128), ceil(K/128)]``
+==============  ==================  ==============================================
+
+Plain-PyTorch equivalent (tensorwise)::
 
     x.abs().amax().float() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
 
-NaN anywhere in ``x`` gives NaN; an infinity gives inf. The reduction is exact (a max), so the result
-equals the equivalent bit for bit. Non-contiguous inputs are read through a contiguous copy.
+and per group alike for the others. NaN in a group gives NaN, an infinity gives inf, an empty group
+gives 0. The reduction is exact (a max), so the result equals the equivalent bit for bit. x may be
+float32, bfloat16 or float16; non-contiguous inputs are read through a contiguous copy.
 """
 
 import torch
 
 from fastmesh import _cpp_lib
+from fastmesh.ops._checks import check_float_input, check_granularity, scale_shape
 from fastmesh.ops._library import qualified_name
-
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_float_input(x: torch.Tensor, op: str, arg: str) -> None:
-    """The Python twin of ``csrc/include/fastmesh/checks.h``: same rule, same wording."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_INPUTS:
-        raise TypeError(f"{op}: {arg} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
 @torch.library.register_fake(qualified_name("amax"))
-def _amax_fake(x: torch.Tensor) -> torch.Tensor:
+def _amax_fake(x: torch.Tensor, granularity: str = "tensorwise") -> torch.Tensor:
     check_float_input(x, "fastmesh::amax", "x")
-    return x.new_empty((), dtype=torch.float32)
+    check_granularity(granularity, x, "fastmesh::amax")
+    return x.new_empty(scale_shape(x.shape, granularity), dtype=torch.float32)
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """Largest magnitude of ``x`` as a 0-d float32 tensor (see the module docstring for shapes).
+def amax(x: torch.Tensor, granularity: str = "tensorwise") -> torch.Tensor:
+    """Largest magnitude of ``x`` per scaling group, float32 (see the module docstring for shapes).
 
-    Equivalent to ``x.abs().amax().float()``, with 0 for an empty ``x``. Not differentiable: the result
-    never requires grad (it feeds scales, not the loss).
+    Equivalent to ``x.abs().amax().float()`` for ``"tensorwise"`` (0 for an empty ``x``), and to the
+    same reduction over each group for the other granularities. Not differentiable: the result never
+    requires grad (it feeds scales, not the loss).
 
     Args:
-        x: float32, bfloat16 or float16 tensor of any shape, on CPU or CUDA.
+        x: float32, bfloat16 or float16 tensor, on CPU or CUDA.
+        granularity: ``"tensorwise"``, ``"rowwise"``, ``"block1x128"`` or ``"block128x128"``.
 
     Returns:
-        A 0-d float32 tensor on ``x``'s device.
+        A float32 tensor in the scale layout of ``granularity``, on ``x``'s device.
 
     Example::
 
-        >>> fastmesh.amax(torch.tensor([1.0, -3.0, 2.0]))
-        tensor(3.)
+        >>> fastmesh.amax(torch.tensor([[1.0, -3.0], [2.0, 0.5]]), "rowwise")
+        tensor([[3.],
+                [2.]])
     """
     check_float_input(x, "fastmesh.amax", "x")
+    check_granularity(granularity, x, "fastmesh.amax")
     _cpp_lib.load()
-    return torch.ops.fastmesh.amax(x.detach())
+    return torch.ops.fastmesh.amax(x.detach(), granularity)

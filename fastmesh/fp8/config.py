@@ -1,0 +1,62 @@
+"""FP8 recipe configuration: which FP8 formats, scaling granularity and scaling mode a layer uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastmesh.ops._checks import FP8_DTYPES, GRANULARITIES
+
+SCALINGS = ("current", "delayed")
+AMAX_COMPUTE = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class Float8Config:
+    """How a layer quantizes to FP8 (frozen: a config is shared, never mutated).
+
+    Keyword Args:
+        dtype: format of forward operands (activations, weights). Default ``torch.float8_e4m3fn``.
+        grad_dtype: format of gradients in the backward. Default ``torch.float8_e5m2`` (wider range).
+        granularity: ``"tensorwise"``, ``"rowwise"``, ``"block1x128"`` or ``"block128x128"``.
+        scaling: ``"current"`` (scale from this tensor's amax, every call) or ``"delayed"`` (scale from an
+            amax history, :class:`fastmesh.fp8.DelayedScaling`; tensorwise only).
+        power_of_two: round scales down to powers of two.
+        backward_in_fp8: run the backward matmuls in FP8 (``grad_dtype``) rather than high precision.
+        history_len, amax_compute, margin: delayed scaling's history length, reduction over the history
+            (``"max"`` or ``"most_recent"``) and margin (the scale is divided by ``2**margin``).
+    """
+
+    dtype: torch.dtype = torch.float8_e4m3fn
+    grad_dtype: torch.dtype = torch.float8_e5m2
+    granularity: str = "tensorwise"
+    scaling: str = "current"
+    power_of_two: bool = False
+    backward_in_fp8: bool = True
+    history_len: int = 16
+    amax_compute: str = "max"
+    margin: int = 0
+
+    def __post_init__(self):
+        for name in ("dtype", "grad_dtype"):
+            if getattr(self, name) not in FP8_DTYPES:
+                raise TypeError(f"Float8Config: {name} must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                                f"got {getattr(self, name)}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"Float8Config: granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Float8Config: scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if self.scaling == "delayed" and self.granularity != "tensorwise":
+            raise ValueError("Float8Config: delayed scaling keeps one amax history per tensor; it needs "
+                             f"granularity='tensorwise', got {self.granularity!r}")
+        check_history(self.history_len, self.amax_compute, self.margin, "Float8Config")
+
+
+def check_history(history_len: int, amax_compute: str, margin: int, owner: str) -> None:
+    if not isinstance(history_len, int) or history_len < 1:
+        raise ValueError(f"{owner}: history_len must be an int >= 1, got {history_len!r}")
+    if amax_compute not in AMAX_COMPUTE:
+        raise ValueError(f"{owner}: amax_compute must be one of {AMAX_COMPUTE}, got {amax_compute!r}")
+    if not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"{owner}: margin must be an int >= 0, got {margin!r}")

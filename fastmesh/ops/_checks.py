@@ -1,0 +1,68 @@
+"""Input checks shared by the op fronts and fake impls; the wording matches ``csrc/include/fastmesh/checks.h``.
+
+Errors name the argument and what was expected: TypeError for a wrong type or dtype, ValueError for a
+wrong value, shape or device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128")
+BLOCK = 128
+# Fewest dims of x each granularity is defined for.
+_MIN_DIMS = {"tensorwise": 0, "rowwise": 1, "block1x128": 1, "block128x128": 2}
+
+
+def check_float_input(x: torch.Tensor, op: str, arg: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_INPUTS:
+        raise TypeError(f"{op}: {arg} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def check_fp8_dtype(dtype: torch.dtype, op: str) -> None:
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+
+
+def check_granularity(granularity: str, x: torch.Tensor, op: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"{op}: granularity must be one of {', '.join(map(repr, GRANULARITIES))}, got {granularity!r}")
+    if x.dim() < _MIN_DIMS[granularity]:
+        raise ValueError(
+            f"{op}: granularity {granularity!r} needs x with at least {_MIN_DIMS[granularity]} dim(s), "
+            f"got shape {list(x.shape)}"
+        )
+
+
+def scale_shape(shape: torch.Size | tuple[int, ...], granularity: str) -> tuple[int, ...]:
+    """Shape of the scale (and amax) of an x of ``shape``: the layouts ``torch._scaled_mm`` takes."""
+    shape = tuple(shape)
+    if granularity == "tensorwise":
+        return ()
+    if granularity == "rowwise":
+        return shape[:-1] + (1,)
+    if granularity == "block1x128":
+        return shape[:-1] + (math.ceil(shape[-1] / BLOCK),)
+    return (math.ceil(math.prod(shape[:-1]) / BLOCK), math.ceil(shape[-1] / BLOCK))
+
+
+def check_per_group_tensor(t: torch.Tensor, arg: str, x: torch.Tensor, granularity: str, op: str) -> None:
+    """A given scale or amax: float32, on x's device, in the scale layout of ``granularity``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{op}: {arg} must be float32, got {t.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{op}: {arg} must be on x's device {x.device}, got {t.device}")
+    expected = scale_shape(x.shape, granularity)
+    if tuple(t.shape) != expected:
+        raise ValueError(
+            f"{op}: {arg} must have shape {list(expected)} for granularity {granularity!r} and x of shape "
+            f"{list(x.shape)}, got {list(t.shape)}"
+        )

@@ -1,0 +1,250 @@
+"""``fastmesh::fp8_quantize``: FP8 cast-and-scale in one fused kernel.
+
+Per scaling group (see the granularity table), with ``fp8_max`` 448 (e4m3fn) or 57344 (e5m2)::
+
+    amax  = max |x| over the group                        (fp32; NaN wins, 0 for an empty group)
+    q     = fp8_max / amax                                (fp32; 1 if amax == 0, FLT_MAX if it overflows,
+                                                           rounded down to 2^k with power_of_two)
+    data  = saturate(x.float() * q).to(dtype)             (round to nearest even, clamped to +-fp8_max)
+    scale = 1 / q                                         (so x ~= data.float() * scale, broadcast)
+
+Plain-PyTorch equivalent (tensorwise, current scaling)::
+
+    amax = x.abs().amax().float()
+    q = torch.where(amax == 0, 1.0, fp8_max / amax).clamp(max=torch.finfo(torch.float32).max)
+    data = (x.float() * q).clamp(-fp8_max, fp8_max).to(dtype)
+    scale = q.reciprocal()
+
+``kernels/fp8_reference.py`` holds the full equivalent for every option; the kernels equal it bit for bit
+(NaN bits aside: the kernels write NaN as ``0x7F``).
+
+Shapes (x viewed as ``[M, K]``, leading dims flattened; scale and amax share a layout, the one
+``torch._scaled_mm`` takes for that operand):
+
+==============  ===========================  ==========================  ================================
+granularity     scale / amax                 data_t (transpose=True)     scale_t
+==============  ===========================  ==========================  ================================
+tensorwise      ``[]``                       ``[K, M]``                  ``[]``
+rowwise         ``[..., 1]``                 ``[K, M]``                  ``[K, 1]`` (per column of x)
+block1x128      ``[..., ceil(K/128)]``       ``[K, M]``                  ``[K, ceil(M/128)]``
+block128x128    ``[ceil(M/128), ceil(K/128)]`` ``[K, M]``                ``[ceil(K/128), ceil(M/128)]``
+==============  ===========================  ==========================  ================================
+
+``data`` has x's shape. ``data_t``/``scale_t`` are the same quantization applied to ``x2d.t()``: the
+column-wise operand of the backward, written in the same pass.
+
+Special values: infinities saturate to +-fp8_max when the scale is given; under current scaling an
+infinity makes its group's scale infinite (the group dequantizes to non-finite values). NaN stays NaN.
+e5m2 also saturates, unlike ``x.to(torch.float8_e5m2)``, which turns overflow into inf.
+
+Implementations: C++ on CPU; on CUDA, Triton (default) or CUDA C++, chosen by
+``FASTMESH_FP8_CUDA_IMPL=triton|cuda``. The op is a ``torch.library.triton_op``, so a compiled graph
+on CUDA contains the Triton kernels themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import NamedTuple
+
+import torch
+
+from fastmesh import _cpp_lib
+from fastmesh.mesh import group_name
+from fastmesh.ops._checks import (
+    check_float_input,
+    check_fp8_dtype,
+    check_granularity,
+    check_per_group_tensor,
+    scale_shape,
+)
+from fastmesh.ops._library import qualified_name, signature
+from fastmesh.ops.amax import amax as group_amax
+
+logger = logging.getLogger(__name__)
+
+CUDA_IMPLEMENTATIONS = ("triton", "cuda")
+_OP = "fastmesh::fp8_quantize"
+# Granularities whose transposed groups are the transposes of the row groups, so that a given scale
+# or amax also determines the transposed output.
+_TRANSPOSE_FOLLOWS_GIVEN = ("tensorwise", "block128x128")
+
+
+class Float8Quantized(NamedTuple):
+    """Result of :func:`quantize`: ``x ~= data.float() * scale`` (scale broadcast per group)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+    data_t: torch.Tensor | None
+    scale_t: torch.Tensor | None
+
+
+def check_quantize_args(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    scale: torch.Tensor | None,
+    amax: torch.Tensor | None,
+    transpose: bool,
+    power_of_two: bool,
+    op: str = _OP,
+) -> None:
+    check_float_input(x, op, "x")
+    check_fp8_dtype(dtype, op)
+    check_granularity(granularity, x, op)
+    if scale is not None and amax is not None:
+        raise ValueError(f"{op}: pass at most one of scale= (delayed scaling) and amax= (a precomputed amax)")
+    for arg, given in (("scale", scale), ("amax", amax)):
+        if given is not None:
+            check_per_group_tensor(given, arg, x, granularity, op)
+    if scale is not None and power_of_two:
+        raise ValueError(f"{op}: power_of_two applies to computed scales; with scale= the given scale is used as is")
+    if transpose:
+        if x.dim() < 2:
+            raise ValueError(f"{op}: transpose=True needs x with at least 2 dims, got shape {list(x.shape)}")
+        if (scale is not None or amax is not None) and granularity not in _TRANSPOSE_FOLLOWS_GIVEN:
+            raise ValueError(
+                f"{op}: transpose=True with a given scale or amax needs granularity 'tensorwise' or 'block128x128' "
+                f"(the {granularity!r} groups of x.t() differ from those of x); quantize x.t() separately"
+            )
+
+
+def cuda_implementation() -> str:
+    """Which CUDA implementation runs: ``FASTMESH_FP8_CUDA_IMPL`` (``triton`` by default, or ``cuda``)."""
+    choice = os.environ.get("FASTMESH_FP8_CUDA_IMPL", "triton")
+    if choice not in CUDA_IMPLEMENTATIONS:
+        raise ValueError(f"FASTMESH_FP8_CUDA_IMPL must be one of {CUDA_IMPLEMENTATIONS}, got {choice!r}")
+    return choice
+
+
+_logged_paths: set[str] = set()
+
+
+def _log_path_once(path: str) -> None:
+    if path not in _logged_paths:
+        _logged_paths.add(path)
+        logger.info("fastmesh.fp8 quantize runs the %s implementation", path)
+
+
+def _fp8_quantize_body(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    transpose: bool = False,
+    power_of_two: bool = False,
+):
+    check_quantize_args(x, dtype, granularity, scale, amax, transpose, power_of_two)
+    # Kernels read x as a row-major [M, K] matrix; a strided x is copied once here.
+    x = x.contiguous()
+    if x.device.type == "cuda" and cuda_implementation() == "triton":
+        from torch.library import wrap_triton
+
+        from fastmesh.kernels import fp8_quantize as triton_kernels
+
+        _log_path_once("Triton")
+        return triton_kernels.quantize(x, dtype, granularity, scale, amax, transpose, power_of_two, wrap=wrap_triton)
+    _log_path_once(f"C++ ({x.device.type})")
+    return torch.ops.fastmesh.fp8_quantize_native(x, dtype, granularity, scale, amax, transpose, power_of_two)
+
+
+fp8_quantize_op = torch.library.triton_op(
+    qualified_name("fp8_quantize"), _fp8_quantize_body, mutates_args=(), schema=signature("fp8_quantize")
+)
+
+
+@torch.library.register_fake(qualified_name("fp8_quantize_native"))
+def _fp8_quantize_native_fake(x, dtype, granularity, scale=None, amax=None, transpose=False, power_of_two=False):
+    check_quantize_args(x, dtype, granularity, scale, amax, transpose, power_of_two, op="fastmesh::fp8_quantize_native")
+    per_group = scale_shape(x.shape, granularity)
+    data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+    scale_out = x.new_empty(per_group, dtype=torch.float32)
+    amax_out = x.new_empty(per_group, dtype=torch.float32)
+    if not transpose:
+        return data, scale_out, amax_out, None, None
+    rows = x.reshape(-1, x.shape[-1])
+    data_t = rows.new_empty((rows.shape[1], rows.shape[0]), dtype=dtype)
+    scale_t = x.new_empty(scale_shape(data_t.shape, granularity), dtype=torch.float32)
+    return data, scale_out, amax_out, data_t, scale_t
+
+
+def fp8_quantize(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    transpose: bool = False,
+    power_of_two: bool = False,
+) -> Float8Quantized:
+    """The op on one tensor (no group): see the module docstring. Not differentiable."""
+    check_quantize_args(x, dtype, granularity, scale, amax, transpose, power_of_two, op="fastmesh.fp8.quantize")
+    _cpp_lib.load()
+    return Float8Quantized(*torch.ops.fastmesh.fp8_quantize(x.detach(), dtype, granularity, scale, amax, transpose,
+                                                           power_of_two))
+
+
+def _all_reduce_amax(local_amax: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Max over the group, NaN-safe: the int32 view of a magnitude's bits orders like the value, NaN
+    above inf, so an integer max propagates NaN, which a float max may drop."""
+    reduced = torch.ops._c10d_functional.all_reduce(local_amax.view(torch.int32), "max", group_name)
+    return torch.ops._c10d_functional.wait_tensor(reduced).view(torch.float32)
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    granularity: str,
+    scale: torch.Tensor | None = None,
+    transpose: bool = False,
+    amax_group=None,
+    power_of_two: bool = False,
+) -> Float8Quantized:
+    """Quantize ``x`` to FP8 with a fused cast-and-scale kernel (``fastmesh.fp8.quantize``).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor on CPU or CUDA, any shape (see the granularity table in
+            :mod:`fastmesh.ops.fp8`). Non-contiguous inputs are copied to contiguous first.
+
+    Keyword Args:
+        dtype: ``torch.float8_e4m3fn`` (saturates at +-448) or ``torch.float8_e5m2`` (saturates at
+            +-57344, unlike ``x.to(torch.float8_e5m2)``).
+        granularity: ``"tensorwise"``, ``"rowwise"`` (over the last dim), ``"block1x128"`` or
+            ``"block128x128"``.
+        scale: a given dequantization scale in the scale layout (delayed scaling); ``x`` is multiplied by
+            its fp32 reciprocal. ``None`` computes the scale from this tensor's amax (current scaling).
+        transpose: also return ``data_t``/``scale_t``, the same quantization of ``x`` (as ``[M, K]``)
+            transposed, written in the same pass.
+        amax_group: a group (``ProcessGroup``, 1-D ``DeviceMesh``, ``(mesh, dim)`` or name) over which the
+            amax is all-reduced (max) before the scale is formed, so every rank holding a shard gets the
+            scale of the whole tensor; one small all-reduce of the amax, never of the data. Tensorwise and
+            rowwise (a tensor sharded along its last dim) only.
+        power_of_two: round computed scales down to powers of two (exact to invert).
+
+    Returns:
+        :class:`Float8Quantized` ``(data, scale, amax, data_t, scale_t)``: ``x ~= data.float() * scale``;
+        ``amax`` is the per-group amax (over the group when ``amax_group`` is given); the last two are
+        ``None`` unless ``transpose``. Not differentiable.
+
+    Example::
+
+        >>> qx = fastmesh.fp8.quantize(x, dtype=torch.float8_e4m3fn, granularity="rowwise")
+        >>> y = torch._scaled_mm(qx.data, qw.data.t(), qx.scale, qw.scale.t(), out_dtype=torch.bfloat16)
+    """
+    if amax_group is None:
+        return fp8_quantize(x, dtype, granularity, scale, None, transpose, power_of_two)
+    op = "fastmesh.fp8.quantize"
+    if scale is not None:
+        raise ValueError(f"{op}: amax_group forms the scale from a reduced amax; it cannot be combined with scale=")
+    if granularity not in ("tensorwise", "rowwise"):
+        raise ValueError(
+            f"{op}: amax_group applies to granularity 'tensorwise' or 'rowwise' (groups that span shards), "
+            f"got {granularity!r}"
+        )
+    check_quantize_args(x, dtype, granularity, None, None, False, power_of_two, op=op)
+    reduced = _all_reduce_amax(group_amax(x, granularity), group_name(amax_group))
+    return fp8_quantize(x, dtype, granularity, None, reduced, transpose, power_of_two)

@@ -1,0 +1,81 @@
+"""FP8 recipe state: Float8Config validation and DelayedScaling's history and scale."""
+
+import pytest
+import torch
+
+import fastmesh
+from fastmesh.fp8 import DelayedScaling, Float8Config
+from fastmesh.kernels import fp8_reference as ref
+
+
+def test_config_defaults_and_frozen():
+    config = Float8Config()
+    assert (config.dtype, config.grad_dtype, config.granularity, config.scaling) == (
+        torch.float8_e4m3fn, torch.float8_e5m2, "tensorwise", "current")
+    with pytest.raises(AttributeError):
+        config.granularity = "rowwise"
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(dtype=torch.bfloat16), TypeError, r"dtype must be torch.float8_e4m3fn or torch.float8_e5m2"),
+    (dict(grad_dtype=torch.float16), TypeError, r"grad_dtype must be"),
+    (dict(granularity="colwise"), ValueError, r"granularity must be one of"),
+    (dict(scaling="dynamic"), ValueError, r"scaling must be one of \('current', 'delayed'\)"),
+    (dict(scaling="delayed", granularity="rowwise"), ValueError, r"delayed scaling .* needs granularity='tensorwise'"),
+    (dict(history_len=0), ValueError, r"history_len must be an int >= 1, got 0"),
+    (dict(amax_compute="mean"), ValueError, r"amax_compute must be one of"),
+    (dict(margin=-1), ValueError, r"margin must be an int >= 0"),
+])
+def test_config_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        Float8Config(**kwargs)
+
+
+def test_history_length_must_be_positive():
+    with pytest.raises(ValueError, match=r"DelayedScaling: history_len must be an int >= 1, got 0"):
+        DelayedScaling(history_len=0)
+
+
+def test_first_step_uses_scale_one_then_history():
+    recipe = DelayedScaling(history_len=3)
+    assert recipe.scale().item() == 1.0  # empty (all-zero) history
+    x = torch.tensor([[1.0, -8.0, 2.0]])
+    first = recipe.quantize(x)
+    assert torch.equal(first.data, ref.quantize(x, torch.float8_e4m3fn, "tensorwise", scale=torch.ones(())).data)
+    assert first.amax.item() == 8.0
+    assert recipe.amax_history.tolist() == [8.0, 0.0, 0.0]
+    assert recipe.scale().item() == pytest.approx(8.0 / 448.0)
+
+
+def test_max_and_most_recent_over_a_rolling_window():
+    by_max, by_recent = DelayedScaling(history_len=2), DelayedScaling(history_len=2, amax_compute="most_recent")
+    for amax in (4.0, 16.0, 2.0):
+        for recipe in (by_max, by_recent):
+            recipe.update(torch.tensor(amax))
+    assert by_max.amax_history.tolist() == [2.0, 16.0]  # 4.0 rolled out
+    assert by_max.scale().item() == pytest.approx(16.0 / 448.0)
+    assert by_recent.scale().item() == pytest.approx(2.0 / 448.0)
+
+
+def test_margin_and_format():
+    recipe = DelayedScaling(margin=2, dtype=torch.float8_e5m2)
+    recipe.update(torch.tensor(1000.0))
+    assert recipe.scale().item() == pytest.approx(4 * 1000.0 / 57344.0)
+
+
+def test_delayed_scale_feeds_the_op_and_saturates():
+    recipe = DelayedScaling(history_len=4)
+    recipe.update(torch.tensor(1.0))
+    x = torch.tensor([[0.5, 3.0]])  # 3.0 exceeds the stale amax: it saturates at 448 * scale
+    q = recipe.quantize(x)
+    assert q.data.float().tolist() == [[224.0, 448.0]]
+    assert q.amax.item() == 3.0 and recipe.amax_history[0].item() == 3.0
+
+
+def test_update_needs_tensorwise_amax():
+    with pytest.raises(ValueError, match=r"amax must be 0-d"):
+        DelayedScaling().update(torch.ones(3, 1))
+
+
+def test_front_is_exported():
+    assert fastmesh.fp8.quantize is fastmesh.ops.quantize
