@@ -312,3 +312,11 @@ def test_amax_group_gives_unsharded_scales():
         local[0, 0] = float("nan")
     got = fastmesh.fp8.quantize(local, dtype=E4M3, granularity="tensorwise", amax_group=dist.group.WORLD)
     assert math.isnan(got.amax.item())
+
+
+def test_registered_schemas_are_the_one_homes():
+    from fastmesh.ops import _library
+
+    for op in ("fp8_quantize", "fp8_quantize_native", "amax"):
+        registered = str(getattr(torch.ops.fastmesh, op).default._schema)
+        assert registered == f"fastmesh::{op}{_library.signature(op)}", registered

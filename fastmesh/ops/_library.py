@@ -14,9 +14,9 @@ import torch
 
 NAMESPACE = "fastmesh"
 
-_QUANTIZE_SIGNATURE = (
+_QUANTIZE_ARGUMENTS = (
     "(Tensor x, ScalarType dtype, str granularity, Tensor? scale=None, Tensor? amax=None, bool transpose=False, "
-    "bool power_of_two=False) -> (Tensor data, Tensor scale, Tensor amax, Tensor? data_t, Tensor? scale_t)"
+    "bool power_of_two=False)"
 )
 
 # name -> signature (without the name)
@@ -24,8 +24,11 @@ _SIGNATURES = {
     "amax": '(Tensor x, str granularity="tensorwise") -> Tensor',
     # FP8 cast-and-scale: the triton_op users call, and the C++/CUDA kernels it dispatches to for CPU
     # tensors and for CUDA tensors when the CUDA C++ implementation is selected.
-    "fp8_quantize": _QUANTIZE_SIGNATURE,
-    "fp8_quantize_native": _QUANTIZE_SIGNATURE,
+    # (A triton_op's schema must be expressible as Python annotations on torch 2.11, which have no
+    # optional returns: data_t and scale_t are empty tensors unless transpose=True.)
+    "fp8_quantize": _QUANTIZE_ARGUMENTS + " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "fp8_quantize_native": _QUANTIZE_ARGUMENTS
+    + " -> (Tensor data, Tensor scale, Tensor amax, Tensor? data_t, Tensor? scale_t)",
 }
 
 # Created by torch.library.triton_op in their op module, with the signature above.

@@ -31,7 +31,8 @@ block128x128    ``[ceil(M/128), ceil(K/128)]`` ``[K, M]``                ``[ceil
 ==============  ===========================  ==========================  ================================
 
 ``data`` has x's shape. ``data_t``/``scale_t`` are the same quantization applied to ``x2d.t()``: the
-column-wise operand of the backward, written in the same pass.
+column-wise operand of the backward, written in the same pass. (The op returns them as empty tensors
+when ``transpose=False``; :func:`quantize` returns ``None`` instead.)
 
 Special values: infinities saturate to +-fp8_max when the scale is given; under current scaling an
 infinity makes its group's scale infinite (the group dequantizes to non-finite values). NaN stays NaN.
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -132,11 +133,11 @@ def _fp8_quantize_body(
     x: torch.Tensor,
     dtype: torch.dtype,
     granularity: str,
-    scale: torch.Tensor | None = None,
-    amax: torch.Tensor | None = None,
+    scale: Optional[torch.Tensor] = None,  # noqa: UP045 -- torch 2.11's schema inference needs Optional
+    amax: Optional[torch.Tensor] = None,  # noqa: UP045
     transpose: bool = False,
     power_of_two: bool = False,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     check_quantize_args(x, dtype, granularity, scale, amax, transpose, power_of_two)
     # Kernels read x as a row-major [M, K] matrix; a strided x is copied once here.
     x = x.contiguous()
@@ -146,11 +147,18 @@ def _fp8_quantize_body(
         from fastmesh.kernels import fp8_quantize as triton_kernels
 
         _log_path_once("Triton")
-        return triton_kernels.quantize(x, dtype, granularity, scale, amax, transpose, power_of_two, wrap=wrap_triton)
-    _log_path_once(f"C++ ({x.device.type})")
-    return torch.ops.fastmesh.fp8_quantize_native(x, dtype, granularity, scale, amax, transpose, power_of_two)
+        result = triton_kernels.quantize(x, dtype, granularity, scale, amax, transpose, power_of_two, wrap=wrap_triton)
+    else:
+        _log_path_once(f"C++ ({x.device.type})")
+        result = torch.ops.fastmesh.fp8_quantize_native(x, dtype, granularity, scale, amax, transpose, power_of_two)
+    data, scale_out, amax_out, data_t, scale_t = result
+    if data_t is None:
+        data_t, scale_t = x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float32)
+    return data, scale_out, amax_out, data_t, scale_t
 
 
+# torch 2.14 takes the schema from the one home; torch 2.11 ignores it and infers the schema from the
+# annotations of the body (a test checks that the registered schema is the one home's).
 fp8_quantize_op = torch.library.triton_op(
     qualified_name("fp8_quantize"), _fp8_quantize_body, mutates_args=(), schema=signature("fp8_quantize")
 )
@@ -183,8 +191,12 @@ def fp8_quantize(
     """The op on one tensor (no group): see the module docstring. Not differentiable."""
     check_quantize_args(x, dtype, granularity, scale, amax, transpose, power_of_two, op="fastmesh.fp8.quantize")
     _cpp_lib.load()
-    return Float8Quantized(*torch.ops.fastmesh.fp8_quantize(x.detach(), dtype, granularity, scale, amax, transpose,
-                                                           power_of_two))
+    data, scale_out, amax_out, data_t, scale_t = torch.ops.fastmesh.fp8_quantize(
+        x.detach(), dtype, granularity, scale, amax, transpose, power_of_two
+    )
+    if not transpose:
+        data_t = scale_t = None
+    return Float8Quantized(data, scale_out, amax_out, data_t, scale_t)
 
 
 def _all_reduce_amax(local_amax: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -1,0 +1,28 @@
+"""Session setup shared by all fastmesh tests."""
+
+import os
+import shutil
+import sys
+import tempfile
+
+# Under --import-mode=importlib pytest does not put this directory on sys.path; the harness and
+# the rank processes (which import test modules by name) need it there.
+sys.path.insert(0, os.path.dirname(__file__))
+
+import rank_pool  # noqa: E402
+
+_inductor_cache_dir = None
+
+
+def pytest_configure(config):
+    global _inductor_cache_dir
+    # AOTAutograd keys a triton_op by its Triton source only, not by its Python body, so a cache
+    # from an earlier run can replay stale graphs. Each run gets a fresh one, and so do its
+    # rank processes, which inherit this environment.
+    _inductor_cache_dir = tempfile.mkdtemp(prefix="fastmesh-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir
+
+
+def pytest_unconfigure(config):
+    rank_pool.close_pools()
+    shutil.rmtree(_inductor_cache_dir, ignore_errors=True)
