@@ -37,7 +37,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the 2-D ``[M, K]`` matrix the granularities are defined on (leading dims flattened)."""
     if x.dim() == 0:
         return x.reshape(1, 1)
-    return x.reshape(-1, x.shape[-1])
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def scale_shape(shape: torch.Size | tuple[int, ...], granularity: str) -> tuple[int, ...]:
@@ -63,12 +63,23 @@ def _group_sizes(granularity: str, rows: int, cols: int) -> tuple[int, int]:
     }[granularity]
 
 
+def _grid(granularity: str, rows: int, cols: int) -> tuple[int, int]:
+    """Number of scaling groups along rows and along columns (a group may hold no element)."""
+    group_rows, group_cols = _group_sizes(granularity, rows, cols)
+    grid = (math.ceil(rows / group_rows), math.ceil(cols / group_cols))
+    if granularity == "tensorwise":
+        return (1, 1)
+    if granularity == "rowwise":
+        return (grid[0], 1)
+    return grid
+
+
 def group_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
     """max |x| per scaling group, fp32, in the layout of the scale."""
     x2 = as_rows(x).float().abs()
     rows, cols = x2.shape
     group_rows, group_cols = _group_sizes(granularity, rows, cols)
-    grid = (math.ceil(rows / group_rows), math.ceil(cols / group_cols))
+    grid = _grid(granularity, rows, cols)
     padded = x2.new_zeros(grid[0] * group_rows, grid[1] * group_cols)
     padded[:rows, :cols] = x2
     tiles = padded.reshape(grid[0], group_rows, grid[1], group_cols)
@@ -77,7 +88,8 @@ def group_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
 
 
 def quant_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
-    q = torch.where(amax == 0, torch.ones_like(amax), FP8_MAX[dtype] / amax)
+    # A tensor numerator: `float / tensor` would compute reciprocal(amax) * max, rounding twice.
+    q = torch.where(amax == 0, torch.ones_like(amax), torch.full_like(amax, FP8_MAX[dtype]) / amax)
     q = torch.where(q > FLOAT32_MAX, torch.full_like(q, FLOAT32_MAX), q)
     if power_of_two:
         floored = (q.view(torch.int32) & torch.tensor(0xFF800000 - 2**32, dtype=torch.int32)).view(torch.float32)
@@ -88,8 +100,7 @@ def quant_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_of_two: 
 def _expand(per_group: torch.Tensor, granularity: str, rows: int, cols: int) -> torch.Tensor:
     """Broadcast a per-group tensor (scale layout) to every element of the ``[rows, cols]`` matrix."""
     group_rows, group_cols = _group_sizes(granularity, rows, cols)
-    grid = (math.ceil(rows / group_rows), math.ceil(cols / group_cols))
-    g = per_group.reshape(grid)
+    g = per_group.reshape(_grid(granularity, rows, cols))
     return g.repeat_interleave(group_rows, 0).repeat_interleave(group_cols, 1)[:rows, :cols]
 
 

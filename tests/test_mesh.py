@@ -245,6 +245,7 @@ def test_group_name_of_two_axis_mesh_errors():
         group_name((mesh, "pp"))
 
 
+@pytest.mark.smoke
 @on_ranks(2)
 def test_group_name_of_process_groups():
     subgroup = dist.new_group([0, 1])

@@ -1,8 +1,11 @@
-// CUDA kernel of fastmesh::amax: max(|x|) over all elements, in fp32.
+// CUDA kernels of fastmesh::amax: max(|x|) per FP8 scaling group, in fp32, in the scale layout.
 //
-// Threads reduce the raw bits of a grid-stride slice (16-byte vector loads where the data is aligned),
-// warps combine with shuffles, and each block publishes its result as fp32 bits with one atomicMax
-// (see fastmesh/amax_math.h for why that unsigned order is the numeric one, NaN included).
+// tensorwise (here): threads reduce the raw bits of a grid-stride slice (16-byte vector loads where the
+// data is aligned), warps combine with shuffles, and each block publishes its result as fp32 bits with
+// one atomicMax (see fastmesh/amax_math.h for why that unsigned order is the numeric one, NaN
+// included). The same kernel is the first pass of tensorwise FP8 current scaling (fp8_quantize.cu).
+// rowwise / block1x128 / block128x128: the group kernels of fp8_quantize.cu with the cast switched off,
+// so the amax all-reduced across ranks is exactly the one the quantize kernels compute.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/zeros.h>
@@ -13,6 +16,8 @@
 
 #include "fastmesh/bits.h"
 #include "fastmesh/checks.h"
+#include "fastmesh/fp8_layout.h"
+#include "fp8_cuda.h"
 
 namespace fastmesh {
 namespace {
@@ -66,32 +71,41 @@ __global__ void amax_kernel(const scalar_t* __restrict__ data, int64_t numel, ui
 }
 
 template <typename scalar_t>
-void launch_amax(const at::Tensor& input, at::Tensor& out_bits) {
+void launch_amax(const at::Tensor& input, uint32_t* out_bits) {
   const int64_t numel = input.numel();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // A few blocks per SM keep loads in flight; more would only add atomics.
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((numel + kThreads - 1) / kThreads, 4LL * sms));
   amax_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      input.const_data_ptr<scalar_t>(), numel, reinterpret_cast<uint32_t*>(out_bits.mutable_data_ptr<int32_t>()));
+      input.const_data_ptr<scalar_t>(), numel, out_bits);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor amax_cuda(const at::Tensor& x) {
+at::Tensor amax_cuda(const at::Tensor& x, c10::string_view granularity) {
   check_float_input(x, "fastmesh::amax", "x");
+  const Granularity parsed = parse_granularity(granularity);
+  check_granularity_dims(x, parsed, "fastmesh::amax");
   const c10::cuda::CUDAGuard guard(x.device());
+  // The reductions are order-independent, so a contiguous copy changes nothing but speed.
   const at::Tensor input = x.contiguous();
+  if (parsed != Granularity::kTensorwise) return group_amax_cuda(input, parsed);
   // Zero is the identity: the bits of +0.0, the smallest magnitude.
   at::Tensor out_bits = at::zeros({}, x.options().dtype(at::kInt));
   if (input.numel() > 0) {
-    AT_DISPATCH_SWITCH(input.scalar_type(), "fastmesh_amax_cuda",
-        AT_DISPATCH_CASE(at::kFloat, [&] { launch_amax<float>(input, out_bits); })
-        AT_DISPATCH_CASE(at::kBFloat16, [&] { launch_amax<c10::BFloat16>(input, out_bits); })
-        AT_DISPATCH_CASE(at::kHalf, [&] { launch_amax<c10::Half>(input, out_bits); }));
+    launch_tensor_amax_bits(input, reinterpret_cast<uint32_t*>(out_bits.mutable_data_ptr<int32_t>()));
   }
   return out_bits.view(at::kFloat);
 }
 
 }  // namespace
+
+void launch_tensor_amax_bits(const at::Tensor& input, uint32_t* out_bits) {
+  AT_DISPATCH_SWITCH(input.scalar_type(), "fastmesh_amax_cuda",
+      AT_DISPATCH_CASE(at::kFloat, [&] { launch_amax<float>(input, out_bits); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] { launch_amax<c10::BFloat16>(input, out_bits); })
+      AT_DISPATCH_CASE(at::kHalf, [&] { launch_amax<c10::Half>(input, out_bits); }));
+}
+
 }  // namespace fastmesh
 
 TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {

@@ -1,0 +1,650 @@
+"""GPU check of the CUDA FP8 kernels: correctness against the plain-PyTorch reference, then bandwidth.
+
+Standalone, for a machine with an NVIDIA GPU (torch 2.11+ with CUDA; fastmesh built with its CUDA sources):
+
+    python bench/gpu_check_fp8.py                       # checks, then the benchmark
+    python bench/gpu_check_fp8.py --quick               # fewer shapes (about a minute of checks)
+    python bench/gpu_check_fp8.py --skip-bench | --skip-check
+    python bench/gpu_check_fp8.py --library /path/fm.so # ops from a separately built library (no fastmesh import)
+    python bench/gpu_check_fp8.py --device cpu --quick  # dry run of the checks on the CPU kernels (no GPU needed)
+
+1. Correctness. ``torch.ops.fastmesh.fp8_quantize_native`` and ``torch.ops.fastmesh.amax`` on CUDA against
+   ``kernels/fp8_reference.py`` computed on the CPU: every granularity x FP8 dtype x input dtype x scale
+   source (current, current + power_of_two, given amax, given amax + power_of_two, given scale) x transpose,
+   on odd and even shapes (1-D, 3-D, empty, unaligned storage, K below one vector, rows longer than the
+   kernels' register cache, more work than one grid), with data of wide dynamic range plus adversarial
+   values (+-0, +-inf, NaN, fp32/bf16 subnormals, all-zero and tiny-amax groups, FP8 rounding ties and
+   their neighbours, values past the FP8 maximum). Every call runs twice, each time on output memory
+   poisoned with a different byte, and must be bit-identical (NaN: any NaN) to the reference both times,
+   so an element the kernel forgot to write cannot pass.
+2. Bandwidth. 8192 x 8192 bfloat16 per granularity (and with transpose), timed with CUDA events (median
+   of many runs), in GB/s of logical bytes (x read once + every output written once), against a
+   device-to-device copy of x measured in the same run (bytes read + written). Target: >= 85% of copy.
+
+Exit status: 0 all checks pass; 1 a kernel disagrees with the reference (or raised); 2 setup failed;
+3 the kernels agree, but only with a corrected reference (see ``reference_self_check`` / ``expected_quantize``);
+4 no disagreement, but the checks ran out of time (--check-seconds) before the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import types
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_DTYPES = (E4M3, E5M2)
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128")
+# (source, power_of_two): where q comes from.
+SCALE_MODES = (("current", False), ("current", True), ("amax", False), ("amax", True), ("scale", False))
+POISONS = (0x5A, 0xC3)
+DEVICE = "cuda"  # --device cpu: a dry run of the checks on the CPU kernels
+
+
+# ----------------------------------------------------------------------------------------------------
+# Setup
+# ----------------------------------------------------------------------------------------------------
+
+
+def _load_file(name: str, path: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # keeps it alive: the schemas' torch.library.Library lives in it
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_ops(library: str | None) -> str:
+    """Make torch.ops.fastmesh.* available; returns a description of where they came from."""
+    if library:
+        # Schemas from the one file that defines them (it imports only torch), kernels from the library.
+        _load_file("fastmesh_library_schemas", os.path.join(ROOT, "fastmesh", "ops", "_library.py"))
+        torch.ops.load_library(library)
+        return f"library {library}"
+    import fastmesh  # noqa: F401  (defines the schemas, loads fastmesh._C)
+    from fastmesh import _cpp_lib
+
+    _cpp_lib.load()
+    return f"fastmesh {getattr(fastmesh, '__version__', '?')} from {os.path.dirname(fastmesh.__file__)}"
+
+
+def load_reference() -> types.ModuleType:
+    try:
+        from fastmesh.kernels import fp8_reference
+
+        return fp8_reference
+    except ImportError:
+        return _load_file("fp8_reference", os.path.join(ROOT, "kernels", "fp8_reference.py"))
+
+
+def reference_self_check(ref: types.ModuleType) -> bool:
+    """True if ref.quant_scale_from_amax computes q = fp8_max / amax with one IEEE fp32 division.
+
+    That is the contract (fastmesh/fp8_math.h: "fp8_max / amax -> rounded to nearest fp32"). In PyTorch,
+    ``python_float / tensor`` is ``tensor.reciprocal() * python_float`` (two roundings), which differs for
+    about a quarter of all amax values. If the reference has that form, it is replaced here by the
+    one-division form (the run then ends with exit status 3 so that the reference gets fixed).
+    """
+    amax = torch.cat([torch.rand(100_000) * 1000 + 1e-3, torch.tensor([0.0, 1e-42, float("inf"), float("nan")])])
+    ok = True
+    for dtype in FP8_DTYPES:
+        for power_of_two in (False, True):
+            got = ref.quant_scale_from_amax(amax, dtype, power_of_two)
+            want = ieee_quant_scale_from_amax(amax, dtype, power_of_two, ref)
+            ok &= bool(same_f32_bits(got, want).all())
+    return ok
+
+
+def ieee_quant_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool, ref) -> torch.Tensor:
+    q = torch.where(amax == 0, torch.ones_like(amax), torch.full_like(amax, ref.FP8_MAX[dtype]) / amax)
+    q = torch.where(q > ref.FLOAT32_MAX, torch.full_like(q, ref.FLOAT32_MAX), q)
+    if power_of_two:
+        floored = (q.view(torch.int32) & torch.tensor(0xFF800000 - 2**32, dtype=torch.int32)).view(torch.float32)
+        q = torch.where((q > 0) & (q <= ref.FLOAT32_MAX), floored, q)
+    return q
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------
+
+
+def next_toward(x: torch.Tensor, direction: int) -> torch.Tensor:
+    """The neighbour of each (positive, finite) value in its own dtype, one ulp up (+1) or down (-1)."""
+    int_dtype = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[x.dtype]
+    return (x.view(int_dtype) + direction).view(x.dtype)
+
+
+def fp8_grid(fp8_dtype: torch.dtype, in_dtype: torch.dtype) -> torch.Tensor:
+    """Every finite FP8 value, the midpoints between neighbours (rounding ties), the values one input ulp
+    either side of each, and values past the maximum; both signs; in the input dtype."""
+    codes = torch.arange(0, 0x80, dtype=torch.uint8).view(fp8_dtype).float()
+    values = torch.unique(codes[torch.isfinite(codes)])
+    top = values[-1]
+    mids = (values[:-1] + values[1:]) / 2
+    beyond = torch.stack([top * 1.0625, top * 1.125, top * 1.5, top * 4, torch.tensor(3e38)])
+    grid = torch.cat([values, mids, beyond]).to(in_dtype)
+    finite = grid[torch.isfinite(grid) & (grid > 0)]
+    grid = torch.cat([grid, next_toward(finite, 1), next_toward(finite, -1)])
+    grid = grid[torch.isfinite(grid) | (grid.float().abs() == float("inf"))]
+    return torch.cat([grid, -grid])
+
+
+def make_input(shape, in_dtype, fp8_dtype, variant: str, gen: torch.Generator, offset: bool) -> torch.Tensor:
+    numel = math.prod(shape)
+    if variant == "grid":
+        grid = fp8_grid(fp8_dtype, in_dtype)
+        idx = torch.randint(0, grid.numel(), (max(numel, 1),), generator=gen)[:numel]
+        flat = grid[idx].float()
+    else:
+        # Magnitudes over ~2^-24..2^24 per element, and per row a factor 2^-20..2^20, so groups differ.
+        flat = torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-24, 25, (numel,), generator=gen).float())
+        if numel:
+            rows = flat.view(-1, shape[-1]) if len(shape) else flat.view(1, 1)
+            rows *= torch.exp2(torch.randint(-20, 21, (rows.shape[0], 1), generator=gen).float())
+            if rows.shape[0] > 2:
+                rows[1] = 0.0  # an all-zero row: q = 1
+                rows[2] *= 2.0**-135  # tiny amax: in fp32/bf16, subnormal (q clamps to FLT_MAX)
+            if rows.shape[0] > 3 and rows.shape[1] > 200:
+                rows[3, 130:200] = 0.0  # an all-zero 1x128 group where K allows one
+            flat[torch.randint(0, numel, (max(1, numel // 50),), generator=gen)] = -0.0
+        if variant == "special" and numel:
+            picks = torch.randint(0, numel, (4,), generator=gen)
+            flat[picks[0]] = float("inf")
+            flat[picks[1]] = float("-inf")
+            flat[picks[2]] = float("nan")
+            flat[picks[3]] = 1e-40  # fp32 subnormal
+    x = flat.to(in_dtype)
+    if offset:
+        # Contiguous but not 16-byte aligned: one element into a larger buffer.
+        storage = torch.empty(numel + 1, dtype=in_dtype)
+        storage[1:] = x
+        x = storage[1:]
+    return x.view(shape)
+
+
+def given_tensor(kind: str, x: torch.Tensor, granularity: str, fp8_dtype, variant: str, ref, gen) -> torch.Tensor:
+    amax = expected_amax(ref, x, granularity)
+    fp8_max = ref.FP8_MAX[fp8_dtype]
+    if variant == "grid":
+        value = fp8_max if kind == "amax" else 1.0  # q = 1 exactly: the grid's ties stay ties
+        return torch.full_like(amax, value)
+    factor = torch.exp2(torch.randint(-3, 4, amax.shape, generator=gen).float()) * (
+        1 + torch.rand(amax.shape, generator=gen)
+    )
+    base = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
+    given = base * factor if kind == "amax" else base / fp8_max * factor
+    flat = given.view(-1)
+    if variant == "special" and flat.numel() >= 4:
+        flat[0] = 0.0  # amax 0 -> q 1; scale 0 -> q inf
+        flat[1] = float("inf")
+        flat[2] = float("nan")
+        flat[3] = 1e-42
+    return given
+
+
+# ----------------------------------------------------------------------------------------------------
+# Comparison
+# ----------------------------------------------------------------------------------------------------
+
+
+def same_f32_bits(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    return (a.contiguous().view(torch.int32) == e.contiguous().view(torch.int32)) | (torch.isnan(a) & torch.isnan(e))
+
+
+def compare(name: str, actual, expected, ref) -> str | None:
+    """None if equal bit for bit (NaN: any NaN), else a one-line description of the difference."""
+    if expected is None or actual is None:
+        if expected is None and actual is None:
+            return None
+        return f"{name}: expected {'a tensor' if expected is not None else 'None'}, got {'None' if actual is None else 'a tensor'}"
+    actual = actual.cpu()
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return f"{name}: dtype/shape {actual.dtype}{list(actual.shape)} != {expected.dtype}{list(expected.shape)}"
+    if expected.numel() == 0:
+        return None
+    if expected.dtype in FP8_DTYPES:
+        equal = ref.fp8_bits_equal(actual, expected)
+        fmt = lambda t, i: f"0x{int(t.reshape(-1).view(torch.uint8)[i]):02x}"  # noqa: E731
+    else:
+        equal = same_f32_bits(actual, expected)
+        fmt = lambda t, i: f"{float(t.reshape(-1)[i])!r}"  # noqa: E731
+    bad = (~equal).reshape(-1).nonzero().flatten()
+    if bad.numel() == 0:
+        return None
+    i = int(bad[0])
+    index = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), expected.shape)) if expected.dim() else ()
+    return (f"{name}: {bad.numel()}/{expected.numel()} differ; first at {index}: got {fmt(actual, i)}, "
+            f"expected {fmt(expected, i)}")
+
+
+REFERENCE_NOTES: dict[str, set[str]] = {}  # reference function -> cases it could not compute
+
+
+def expected_quantize(ref, x, fp8_dtype, granularity, scale, amax, transpose, power_of_two):
+    """ref.quantize, or for an empty x it cannot handle, the contract's rule for empty tensors: every
+    group has no elements, amax 0 (or the given one), q from it (or 1 / the given scale)."""
+    try:
+        return ref.quantize(x, fp8_dtype, granularity, scale, amax, transpose, power_of_two)
+    except RuntimeError:
+        if x.numel() != 0:
+            raise
+        REFERENCE_NOTES.setdefault("quantize", set()).add(f"{granularity} {list(x.shape)}")
+
+    def groups(shape, given_scale, given_amax):
+        layout = ref.scale_shape(shape, granularity)
+        out_amax = torch.zeros(layout) if given_amax is None else given_amax.float().clone()
+        q = torch.reciprocal(given_scale.float()) if given_scale is not None else ref.quant_scale_from_amax(
+            out_amax, fp8_dtype, power_of_two)
+        return torch.reciprocal(q), (torch.zeros(layout) if given_scale is not None else out_amax)
+
+    scale_out, amax_out = groups(tuple(x.shape), scale, amax)
+    data_t = scale_t = None
+    if transpose:
+        rows = math.prod(x.shape[:-1])
+        shape_t = (x.shape[-1], rows)
+        t = (lambda g: None if g is None else (g.t() if granularity == "block128x128" else g))
+        scale_t = groups(shape_t, t(scale), t(amax))[0]
+        data_t = torch.empty(shape_t, dtype=fp8_dtype)
+    return ref.Quantized(torch.empty(x.shape, dtype=fp8_dtype), scale_out, amax_out, data_t, scale_t)
+
+
+def expected_amax(ref, x, granularity):
+    try:
+        return ref.group_amax(x, granularity).float()
+    except RuntimeError:
+        if x.numel() != 0:
+            raise
+        REFERENCE_NOTES.setdefault("group_amax", set()).add(f"{granularity} {list(x.shape)}")
+        return torch.zeros(ref.scale_shape(tuple(x.shape), granularity))
+
+
+def output_nbytes(expected) -> list[int]:
+    sizes = [expected.data.numel(), expected.scale.numel() * 4, expected.amax.numel() * 4]
+    if expected.data_t is not None:
+        sizes += [expected.data_t.numel(), expected.scale_t.numel() * 4]
+    return sizes
+
+
+class Poisoner:
+    """Fills blocks of the CUDA caching allocator with a byte pattern, then frees them, so that the next
+    allocations of those sizes (the op's outputs) start out poisoned. Counts how often that worked."""
+
+    def __init__(self):
+        self.hits = 0
+        self.outputs = 0
+
+    def run(self, fn, nbytes: list[int], poison: int):
+        if DEVICE != "cuda":
+            return fn()
+        blocks = [torch.full((max(n, 1),), poison, dtype=torch.uint8, device="cuda") for n in nbytes]
+        pointers = {b.data_ptr() for b in blocks}
+        del blocks
+        result = fn()
+        tensors = [t for t in (result if isinstance(result, (tuple, list)) else (result,)) if t is not None]
+        self.outputs += len(tensors)
+        self.hits += sum(t.data_ptr() in pointers for t in tensors)
+        return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------------
+
+
+def shapes_for(quick: bool):
+    # (shape, unaligned storage)
+    shapes = [
+        ((0,), False), ((0, 5), False), ((5, 0), False), ((2, 0, 3), False),
+        ((), False), ((1,), False), ((7,), False), ((300,), False), ((1, 1), False), ((3, 5), False),
+        ((517, 8), False), ((9, 3), False), ((127, 129), False), ((128, 128), False), ((129, 255), False),
+        ((33, 1000), False), ((2, 3, 130), False), ((256, 384), False), ((1023, 257), False),
+        ((64, 4097), False), ((5, 9000), False), ((40, 300), True), ((131, 256), True),
+    ]
+    if quick:
+        keep = {(), (7,), (3, 5), (517, 8), (127, 129), (129, 255), (2, 3, 130), (1023, 257), (5, 9000), (0, 5), (5, 0)}
+        shapes = [(s, o) for s, o in shapes if s in keep or o]
+    return shapes
+
+
+def valid_case(shape, granularity: str, source: str, transpose: bool) -> bool:
+    dims = len(shape)
+    if granularity in ("rowwise", "block1x128") and dims < 1:
+        return False
+    if granularity == "block128x128" and dims < 2:
+        return False
+    if transpose and dims < 2:
+        return False
+    if transpose and source != "current" and granularity in ("rowwise", "block1x128"):
+        return False  # rejected by the op (checked separately)
+    return True
+
+
+class OutOfTime(Exception):
+    pass
+
+
+DEADLINE = [math.inf]  # time.perf_counter() after which the checks stop (--check-seconds)
+
+
+def check_quantize(ref, quick: bool, failures: list, poisoner: Poisoner) -> int:
+    gen = torch.Generator().manual_seed(1234)
+    cases = 0
+    for (shape, offset), in_dtype, fp8_dtype, granularity, (source, power_of_two), transpose in itertools.product(
+        shapes_for(quick), INPUT_DTYPES, FP8_DTYPES, GRANULARITIES, SCALE_MODES, (False, True)
+    ):
+        if not valid_case(shape, granularity, source, transpose):
+            continue
+        if time.perf_counter() > DEADLINE[0]:
+            raise OutOfTime(f"after {cases} quantize cases, at shape {list(shape)}")
+        variants = ("wide", "special", "grid") if source != "current" or not quick else ("wide", "special")
+        for variant in variants:
+            x_cpu = make_input(shape, in_dtype, fp8_dtype, variant, gen, offset)
+            scale = amax = None
+            if source == "scale":
+                scale = given_tensor("scale", x_cpu, granularity, fp8_dtype, variant, ref, gen)
+            elif source == "amax":
+                amax = given_tensor("amax", x_cpu, granularity, fp8_dtype, variant, ref, gen)
+            cases += 1
+            label = (f"{granularity} {str(in_dtype)[6:]}->{str(fp8_dtype)[6:]} {list(shape)}"
+                     f"{' unaligned' if offset else ''} "
+                     f"{source}{' pow2' if power_of_two else ''}{' T' if transpose else ''} {variant}")
+            expected = expected_quantize(ref, x_cpu, fp8_dtype, granularity, scale, amax, transpose, power_of_two)
+            x = to_device(x_cpu, offset)
+            args = (x, fp8_dtype, granularity, None if scale is None else scale.to(DEVICE),
+                    None if amax is None else amax.to(DEVICE), transpose, power_of_two)
+            for poison in POISONS:
+                try:
+                    out = poisoner.run(lambda: torch.ops.fastmesh.fp8_quantize_native(*args), output_nbytes(expected),
+                                       poison)
+                    if DEVICE == "cuda":
+                        torch.cuda.synchronize()
+                except Exception as error:  # noqa: BLE001  (a raise is a failure to report, not to stop on)
+                    failures.append(f"{label}: raised {type(error).__name__}: {str(error).splitlines()[0]}")
+                    break
+                problems = [compare(name, got, want, ref) for name, got, want in
+                            zip(("data", "scale", "amax", "data_t", "scale_t"), out, expected)]
+                problems = [p for p in problems if p]
+                if problems:
+                    failures.append(f"{label} (poison 0x{poison:02x}): " + "; ".join(problems))
+                    break
+    return cases
+
+
+def to_device(x_cpu: torch.Tensor, offset: bool) -> torch.Tensor:
+    """x on DEVICE; with offset, contiguous but not 16-byte aligned (one element into a larger buffer)."""
+    if not offset:
+        return x_cpu.to(DEVICE)
+    storage = torch.empty(x_cpu.numel() + 1, dtype=x_cpu.dtype, device=DEVICE)
+    storage[1:] = x_cpu.reshape(-1).to(DEVICE)
+    x = storage[1:].view(x_cpu.shape)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    return x
+
+
+def check_large(ref, failures: list, poisoner: Poisoner) -> int:
+    """Shapes with more work than one grid holds (the kernels' grid-stride loops), aligned and not."""
+    gen = torch.Generator().manual_seed(99)
+    cases = 0
+    for shape, in_dtype, granularity, (source, power_of_two), transpose in itertools.product(
+        ((2112, 4224), (1999, 3001)), (torch.bfloat16, torch.float32), GRANULARITIES,
+        (("current", False), ("scale", False)), (False, True)
+    ):
+        if not valid_case(shape, granularity, source, transpose):
+            continue
+        x_cpu = make_input(shape, in_dtype, E4M3, "wide", gen, False)
+        scale = given_tensor("scale", x_cpu, granularity, E4M3, "wide", ref, gen) if source == "scale" else None
+        expected = ref.quantize(x_cpu, E4M3, granularity, scale, None, transpose, power_of_two)
+        label = f"large {granularity} {str(in_dtype)[6:]} {list(shape)} {source}{' T' if transpose else ''}"
+        args = (x_cpu.to(DEVICE), E4M3, granularity, None if scale is None else scale.to(DEVICE), None, transpose,
+                power_of_two)
+        cases += 1
+        try:
+            out = poisoner.run(lambda: torch.ops.fastmesh.fp8_quantize_native(*args), output_nbytes(expected),
+                               POISONS[0])
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"{label}: raised {type(error).__name__}: {str(error).splitlines()[0]}")
+            continue
+        names = ("data", "scale", "amax", "data_t", "scale_t")
+        problems = [compare(n, g, w, ref) for n, g, w in zip(names, out, expected)]
+        problems = [p for p in problems if p]
+        if problems:
+            failures.append(f"{label}: " + "; ".join(problems))
+    return cases
+
+
+def check_amax(ref, quick: bool, failures: list, poisoner: Poisoner) -> int:
+    gen = torch.Generator().manual_seed(4321)
+    cases = 0
+    shapes = shapes_for(quick) + [((2112, 4224), False)]
+    for (shape, offset), in_dtype, granularity, variant in itertools.product(
+        shapes, INPUT_DTYPES, GRANULARITIES, ("wide", "special")
+    ):
+        if not valid_case(shape, granularity, "current", False):
+            continue
+        x_cpu = make_input(shape, in_dtype, E4M3, variant, gen, offset)
+        expected = expected_amax(ref, x_cpu, granularity)
+        x = to_device(x_cpu, offset)
+        cases += 1
+        label = f"amax {granularity} {str(in_dtype)[6:]} {list(shape)}{' unaligned' if offset else ''} {variant}"
+        try:
+            got = poisoner.run(lambda: torch.ops.fastmesh.amax(x, granularity), [expected.numel() * 4], POISONS[1])
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"{label}: raised {type(error).__name__}: {str(error).splitlines()[0]}")
+            continue
+        problem = compare("amax", got, expected, ref)
+        if problem:
+            failures.append(f"{label}: {problem}")
+    # Non-contiguous input (read through a contiguous copy).
+    x_cpu = make_input((64, 300), torch.bfloat16, E4M3, "wide", gen, False).t()
+    for granularity in GRANULARITIES:
+        problem = compare("amax", torch.ops.fastmesh.amax(x_cpu.to(DEVICE), granularity),
+                          ref.group_amax(x_cpu, granularity), ref)
+        cases += 1
+        if problem:
+            failures.append(f"amax {granularity} non-contiguous: {problem}")
+    return cases
+
+
+def check_rejections(failures: list) -> int:
+    """Calls the contract forbids must raise (on CUDA as on CPU), not run."""
+    d = DEVICE
+    x = torch.randn(4, 300, device=d)
+    bad = [
+        ("rowwise + transpose + given scale", (x, E4M3, "rowwise", torch.ones(4, 1, device=d), None, True, False)),
+        ("block1x128 + transpose + given amax", (x, E4M3, "block1x128", None, torch.ones(4, 3, device=d), True, False)),
+        ("scale and amax", (x, E4M3, "tensorwise", torch.ones((), device=d), torch.ones((), device=d), False, False)),
+        ("scale shape", (x, E4M3, "rowwise", torch.ones(4, device=d), None, False, False)),
+        ("scale float64", (x, E4M3, "rowwise", torch.ones(4, 1, device=d, dtype=torch.float64), None, False, False)),
+        ("non-contiguous x", (x.t(), E4M3, "rowwise", None, None, False, False)),
+        ("block128x128 on 1-d", (x[0], E4M3, "block128x128", None, None, False, False)),
+        ("fp16 target", (x, torch.float16, "rowwise", None, None, False, False)),
+        ("unknown granularity", (x, E4M3, "colwise", None, None, False, False)),
+    ]
+    if d == "cuda":
+        bad.append(("scale on cpu", (x, E4M3, "rowwise", torch.ones(4, 1), None, False, False)))
+    for name, args in bad:
+        try:
+            torch.ops.fastmesh.fp8_quantize_native(*args)
+            failures.append(f"rejection '{name}': the call ran instead of raising")
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return len(bad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------------
+
+
+def time_ms(fn, repeats: int, warmup: int = 5) -> tuple[float, float]:
+    """Median and interquartile range (ms) of one call, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    q = statistics.quantiles(samples, n=4)
+    return statistics.median(samples), q[2] - q[0]
+
+
+def bench(ref, repeats: int) -> list[tuple]:
+    m = k = 8192
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = (torch.randn(m, k, device="cuda", generator=gen) *
+         torch.exp2(torch.randint(-8, 9, (m, 1), device="cuda", generator=gen).float())).to(torch.bfloat16)
+    copy_out = torch.empty_like(x)
+    copy_ms, copy_iqr = time_ms(lambda: copy_out.copy_(x), repeats)
+    copy_gbs = 2 * x.numel() * x.element_size() / copy_ms / 1e6
+    rows = [("device-to-device copy (bound)", copy_ms, copy_iqr, copy_gbs, 100.0)]
+    amax_ms, amax_iqr = time_ms(lambda: torch.ops.fastmesh.amax(x, "tensorwise"), repeats)
+    read_gbs = x.numel() * x.element_size() / amax_ms / 1e6
+    rows.append(("fastmesh.amax tensorwise (read only)", amax_ms, amax_iqr, read_gbs, 100 * read_gbs / copy_gbs))
+    scale_given = torch.ones((), device="cuda")
+    for granularity, transpose, given in [(g, False, False) for g in GRANULARITIES] + [
+        ("tensorwise", False, True), ("tensorwise", True, False), ("rowwise", True, False),
+        ("block1x128", True, False), ("block128x128", True, False)
+    ]:
+        scale = scale_given if given else None
+
+        def call():
+            return torch.ops.fastmesh.fp8_quantize_native(x, E4M3, granularity, scale, None, transpose, False)
+
+        out = call()
+        nbytes = x.numel() * x.element_size() + sum(t.numel() * t.element_size() for t in out if t is not None)
+        ms, iqr = time_ms(call, repeats)
+        gbs = nbytes / ms / 1e6
+        name = f"{granularity}{' given scale' if given else ''}{' +transpose' if transpose else ''}"
+        rows.append((name, ms, iqr, gbs, 100 * gbs / copy_gbs))
+    # Context: the plain-PyTorch reference on the GPU (several kernels, fp32 intermediates).
+    ms, iqr = time_ms(lambda: ref.quantize(x, E4M3, "rowwise"), max(5, repeats // 5), warmup=2)
+    nbytes = x.numel() * (x.element_size() + 1)
+    rows.append(("reference rowwise (eager torch)", ms, iqr, nbytes / ms / 1e6, 100 * nbytes / ms / 1e6 / copy_gbs))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def describe_machine(source: str) -> None:
+    try:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or "?"
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "csrc", "bench"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        commit += " (+local changes)" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = "?"
+    if DEVICE == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        print(f"GPU: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
+              f"capability {props.major}.{props.minor}")
+    else:
+        print(f"DRY RUN on the CPU kernels ({platform.processor() or 'cpu'}, {torch.get_num_threads()} threads)")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}, "
+          f"{platform.platform()}")
+    print(f"ops: {source}; repository commit {commit}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and data variants")
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--check-seconds", type=float, default=420,
+                        help="stop the correctness checks after this long (reported as INCOMPLETE, exit status 4)")
+    parser.add_argument("--library", help="load the ops from this shared library instead of importing fastmesh")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: dry run of the checks on the CPU kernels (tests this script; no benchmark)")
+    args = parser.parse_args()
+
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device visible", file=sys.stderr)
+        return 2
+    if DEVICE != "cuda":
+        args.skip_bench = True
+    try:
+        source = load_ops(args.library)
+        ref = load_reference()
+    except Exception as error:  # noqa: BLE001
+        print(f"setup failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    describe_machine(source)
+
+    reference_patched = False
+    if not reference_self_check(ref):
+        reference_patched = True
+        print("WARNING: fp8_reference.quant_scale_from_amax is not one IEEE division (torch's float / Tensor is "
+              "reciprocal(amax) * fp8_max, two roundings); checking against fp8_max / amax instead, as "
+              "fastmesh/fp8_math.h specifies. Fix kernels/fp8_reference.py: "
+              "torch.full_like(amax, FP8_MAX[dtype]) / amax")
+        ref.quant_scale_from_amax = lambda amax, dtype, pow2: ieee_quant_scale_from_amax(amax, dtype, pow2, ref)
+
+    failures: list[str] = []
+    incomplete = None
+    if not args.skip_check:
+        poisoner = Poisoner()
+        started = time.perf_counter()
+        DEADLINE[0] = started + args.check_seconds
+        counts = {}
+        # Cheap, distinct checks first, so that a run out of time still covers every kind of check.
+        counts["rejected calls"] = check_rejections(failures)
+        counts["amax"] = check_amax(ref, args.quick, failures, poisoner)
+        counts["fp8_quantize_native, large"] = check_large(ref, failures, poisoner)
+        try:
+            counts["fp8_quantize_native"] = check_quantize(ref, args.quick, failures, poisoner)
+        except OutOfTime as stop:
+            incomplete = f"correctness checks INCOMPLETE: out of time (--check-seconds {args.check_seconds:.0f}) {stop}"
+        print(f"\ncorrectness ({time.perf_counter() - started:.0f} s): " +
+              ", ".join(f"{n} {name}" for name, n in counts.items()) +
+              f"; outputs landing in poisoned memory: {poisoner.hits}/{poisoner.outputs}")
+        for line in failures[:40]:
+            print("  MISMATCH", line)
+        if len(failures) > 40:
+            print(f"  ... and {len(failures) - 40} more")
+        if incomplete:
+            print(incomplete)
+        verdict = "FAIL" if failures else "all bit-identical to the reference" + (" (so far)" if incomplete else "")
+        print("correctness:", verdict)
+
+    if not args.skip_bench:
+        print("\nbandwidth, 8192 x 8192 bfloat16 -> float8_e4m3fn (current scaling unless noted); logical bytes = "
+              "x read once + outputs written once; copy counts read + write")
+        print(f"{'case':40s} {'median ms':>10s} {'IQR ms':>8s} {'GB/s':>8s} {'% of copy':>10s}")
+        for name, ms, iqr, gbs, percent in bench(ref, args.repeats):
+            print(f"{name:40s} {ms:10.3f} {iqr:8.3f} {gbs:8.0f} {percent:9.0f}%")
+        print("target: >= 85% of copy for the one-pass cases (tensorwise current scaling reads x twice by contract)")
+
+    for function, cases in sorted(REFERENCE_NOTES.items()):
+        print(f"REFERENCE: fp8_reference.{function} raises for these empty inputs, checked against the contract's "
+              f"rule for empty tensors instead (amax 0 or the given one): {', '.join(sorted(cases))}")
+    if failures:
+        return 1
+    if reference_patched or REFERENCE_NOTES:
+        return 3
+    return 4 if incomplete else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
