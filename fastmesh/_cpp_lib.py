@@ -163,6 +163,16 @@ def load() -> ModuleType:
         return module
 
 
+def require() -> None:
+    """For op fronts: raise :class:`ExtensionError` before dispatching to a kernel that is missing.
+
+    Skipped while torch.compile traces (dynamo cannot trace the lock, and tracing needs only the fake
+    impls); the compiled graph still fails loudly at run time if the kernels are missing.
+    """
+    if not torch.compiler.is_compiling():
+        load()
+
+
 def load_error() -> ExtensionError | None:
     """The reason the extension cannot be used, or None if it loads."""
     try:

@@ -20,7 +20,7 @@ import fastmesh
 from fastmesh import _cpp_lib
 from fastmesh.ops._library import NAMESPACE
 
-_DISPATCH_KEY_LINE = re.compile(r"^(\w+): registered at ")
+_DISPATCH_KEY_LINE = re.compile(r"^(\w+)(?:\[alias\])?: registered at ")
 
 
 def fastmesh_ops() -> list[str]:
@@ -29,7 +29,8 @@ def fastmesh_ops() -> list[str]:
 
 
 def kernel_dispatch_keys(op: str) -> list[str]:
-    """Dispatch keys with a kernel registered for ``op`` (CPU, CUDA, Meta, Autograd...)."""
+    """Dispatch keys with a kernel registered for ``op`` (CPU, CUDA, Meta, and alias keys such as
+    CompositeExplicitAutograd, which serve every backend)."""
     keys = [m.group(1) for line in torch._C._dispatch_dump(op).splitlines() if (m := _DISPATCH_KEY_LINE.match(line))]
     # The dump also has header lines ("debug: registered at ..."); keep real dispatch keys only.
     return [key for key in keys if key in torch._C.DispatchKey.__members__]
@@ -99,10 +100,11 @@ def _problems(report: dict[str, Any]) -> list[str]:
     if not extension["loaded"]:
         problems.append(extension["error"])
         return problems
-    for op, keys in report["ops"].items():
-        if "CPU" not in keys:
+    for op in report["ops"]:
+        # "Computed" tables resolve alias keys: a CompositeExplicitAutograd kernel serves CPU and CUDA.
+        if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op, "CPU"):
             problems.append(f"{op} has no CPU kernel")
-        if extension["build_info"]["build_cuda"] and "CUDA" not in keys:
+        if extension["build_info"]["build_cuda"] and not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op, "CUDA"):
             problems.append(f"{op} has no CUDA kernel although the CUDA sources were built")
     if not report["ops"]:
         problems.append("no torch.ops.fastmesh op is registered")

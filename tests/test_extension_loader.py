@@ -119,4 +119,4 @@ class TestBuildPlan:
         plan = _build_config.plan_build()
         header = _build_config.build_info_header(plan)
         payload = header.split('R"fmbuild(', 1)[1].split(')fmbuild"', 1)[0]
-        assert json.loads(payload)["sources"] == plan.sources
+        assert _build_config.parse_build_info(payload)["sources"] == plan.sources

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import fastmesh
 from fastmesh.kernels import fp8_reference as ref
+from fastmesh.ops.fp8 import fp8_quantize
 from rank_pool import on_ranks
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -63,7 +64,7 @@ def assert_quantized_equal(actual, expected):
 
 
 def quantize_both(x, dtype, granularity, scale=None, amax=None, transpose=False, power_of_two=False):
-    result = torch.ops.fastmesh.fp8_quantize(x, dtype, granularity, scale, amax, transpose, power_of_two)
+    result = fp8_quantize(x, dtype, granularity, scale, amax, transpose, power_of_two)
     expected = ref.quantize(x.contiguous(), dtype, granularity, scale, amax, transpose, power_of_two)
     return result, expected
 
@@ -320,3 +321,28 @@ def test_registered_schemas_are_the_one_homes():
     for op in ("fp8_quantize", "fp8_quantize_native", "amax"):
         registered = str(getattr(torch.ops.fastmesh, op).default._schema)
         assert registered == f"fastmesh::{op}{_library.signature(op)}", registered
+
+
+def test_triton_kernels_are_visible_in_a_compiled_cuda_graph():
+    # On CUDA the op body launches Triton kernels through wrap_triton; traced on fake CUDA tensors
+    # (no GPU needed) the graph holds the kernels themselves, not an opaque call.
+    pytest.importorskip("triton")
+    from torch._functorch.aot_autograd import aot_function
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    def quantize_rows(x):
+        return torch.ops.fastmesh.fp8_quantize(x, E4M3, "rowwise", None, None, True, False)
+
+    with FakeTensorMode():
+        x = torch.empty(256, 512, dtype=torch.bfloat16, device="cuda")
+        data, scale, _, data_t, scale_t = aot_function(quantize_rows, fw_compiler=capture)(x)
+    assert (data.shape, scale.shape, data_t.shape, scale_t.shape) == ((256, 512), (256, 1), (512, 256), (512, 1))
+    code = graphs[0].code
+    assert "triton_kernel_wrapper_functional" in code
+    assert "fp8_quantize_native" not in code

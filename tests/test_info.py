@@ -34,10 +34,12 @@ def test_json_report_matches_dispatcher():
     assert ("csrc/cuda/amax.cu" in build["sources"]) == build["build_cuda"]
     assert "fastmesh::amax" in report["ops"]
     for op, keys in report["ops"].items():
-        for key in ("CPU", "CUDA", "Meta"):
+        for key in ("CPU", "CUDA", "Meta", "CompositeExplicitAutograd", "Autograd"):
             assert (key in keys) == torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
-        assert "CPU" in keys
-        assert ("CUDA" in keys) == build["build_cuda"]
+    # C++ ops: their own CPU (and, when built, CUDA) kernels; the triton_op: one body for every device.
+    assert "CPU" in report["ops"]["fastmesh::fp8_quantize_native"]
+    assert ("CUDA" in report["ops"]["fastmesh::fp8_quantize_native"]) == build["build_cuda"]
+    assert "CompositeExplicitAutograd" in report["ops"]["fastmesh::fp8_quantize"]
 
 
 def test_console_script_and_module_agree():

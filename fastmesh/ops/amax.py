@@ -56,5 +56,5 @@ def amax(x: torch.Tensor, granularity: str = "tensorwise") -> torch.Tensor:
     """
     check_float_input(x, "fastmesh.amax", "x")
     check_granularity(granularity, x, "fastmesh.amax")
-    _cpp_lib.load()
+    _cpp_lib.require()
     return torch.ops.fastmesh.amax(x.detach(), granularity)

@@ -190,7 +190,7 @@ def fp8_quantize(
 ) -> Float8Quantized:
     """The op on one tensor (no group): see the module docstring. Not differentiable."""
     check_quantize_args(x, dtype, granularity, scale, amax, transpose, power_of_two, op="fastmesh.fp8.quantize")
-    _cpp_lib.load()
+    _cpp_lib.require()
     data, scale_out, amax_out, data_t, scale_t = torch.ops.fastmesh.fp8_quantize(
         x.detach(), dtype, granularity, scale, amax, transpose, power_of_two
     )
