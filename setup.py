@@ -69,6 +69,7 @@ def extension_and_cmdclass():
         include_dirs=[os.path.join(ROOT, d) for d in plan.include_dirs],
         define_macros=[("FASTMESH_WITH_CUDA", "1" if plan.build_cuda else "0")],
         extra_compile_args=extra_compile_args,
+        extra_link_args=plan.link_flags,
     )
     return [extension], {"build_ext": BuildWithInfo.with_options(use_ninja=True)}
 

@@ -34,7 +34,11 @@ DEFAULT_CUDA_ARCH_LIST = "8.0;9.0a"
 # kernels no longer match the schemas).
 BUILD_INFO_MARKER = "FASTMESH_BUILD_INFO_V1"
 
-CXX_FLAGS = ["-O3"]
+# -fopenmp: ATen's at::parallel_for runs serially in code compiled without it (its inline
+# implementation keys on _OPENMP); linking it shares torch's OpenMP runtime, so torch.set_num_threads
+# governs fastmesh's kernels too.
+CXX_FLAGS = ["-O3", "-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "-lineinfo"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,6 +137,7 @@ class BuildPlan:
     include_dirs: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     cxx_flags: list[str] = field(default_factory=lambda: list(CXX_FLAGS))
+    link_flags: list[str] = field(default_factory=lambda: list(LINK_FLAGS))
     nvcc_flags: list[str] = field(default_factory=list)
 
 

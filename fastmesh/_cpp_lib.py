@@ -82,6 +82,7 @@ def _build_jit() -> ModuleType:
             extra_include_paths=[os.path.join(root, d) for d in plan.include_dirs] + [generated],
             extra_cflags=plan.cxx_flags + [macro],
             extra_cuda_cflags=plan.nvcc_flags + [macro],
+            extra_ldflags=plan.link_flags,
             build_directory=build_dir,
             with_cuda=plan.build_cuda,
             verbose=os.environ.get("FASTMESH_JIT_VERBOSE", "0") == "1",

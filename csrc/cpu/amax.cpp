@@ -1,71 +1,83 @@
-// CPU kernel of fastmesh::amax: max(|x|) over all elements, in fp32.
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
+// CPU kernel of fastmesh::amax: max(|x|) per scaling group, in fp32, in the scale layout; and the
+// raw-bits magnitude reductions it shares with the FP8 quantize kernel (declared in magnitude.h).
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include "fastmesh/bits.h"
 #include "fastmesh/checks.h"
+#include "magnitude.h"
 
 namespace fastmesh {
+namespace cpu {
 namespace {
 
-// Elements per task: large enough that a task outweighs at::parallel_for's scheduling cost.
-constexpr int64_t kGrainSize = 1 << 16;
-
-// The inner loops are integer-only (see amax_math.h), so the compiler vectorizes them; target_clones
-// compiles each for AVX-512, AVX2 and baseline x86-64 and picks one at load time from the CPU.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FASTMESH_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FASTMESH_CPU_CLONES
-#endif
-
-FASTMESH_CPU_CLONES uint16_t max_magnitude_bits16(const uint16_t* raw, int64_t n, uint16_t acc) {
-  for (int64_t i = 0; i < n; ++i) acc = max_bits(acc, magnitude_bits(raw[i]));
+template <typename Bits>
+FASTMESH_ALWAYS_INLINE Bits max_magnitude(const Bits* x, int64_t n) {
+  Bits acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc = max_bits(acc, magnitude_bits(x[i]));
   return acc;
 }
 
-FASTMESH_CPU_CLONES uint32_t max_magnitude_bits32(const uint32_t* raw, int64_t n, uint32_t acc) {
-  for (int64_t i = 0; i < n; ++i) acc = max_bits(acc, magnitude_bits(raw[i]));
-  return acc;
+template <typename Bits>
+FASTMESH_ALWAYS_INLINE void max_magnitude_blocks_impl(Panel<const Bits> x, int64_t block, Bits* out) {
+  const int64_t blocks = ceil_div(x.cols, block);
+  for (int64_t r = 0; r < x.rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Bits* in = x.row(r) + b * block;
+      const int64_t n = std::min(block, x.cols - b * block);
+      // A constant trip count for full 128-wide blocks: a straight vector loop without remainder code.
+      out[r * blocks + b] = n == kFp8Block ? max_magnitude(in, kFp8Block) : max_magnitude(in, n);
+    }
+  }
 }
 
-inline uint16_t max_magnitude_bits(const uint16_t* raw, int64_t n, uint16_t acc) {
-  return max_magnitude_bits16(raw, n, acc);
-}
-inline uint32_t max_magnitude_bits(const uint32_t* raw, int64_t n, uint32_t acc) {
-  return max_magnitude_bits32(raw, n, acc);
-}
-
-template <typename scalar_t>
-float amax_contiguous(const at::Tensor& input) {
-  using bits_t = typename BitsOf<scalar_t>::type;
-  const auto* raw = reinterpret_cast<const bits_t*>(input.const_data_ptr<scalar_t>());
-  const bits_t result = at::parallel_reduce(
-      0, input.numel(), kGrainSize, bits_t{0},
-      [&](int64_t begin, int64_t end, bits_t identity) { return max_magnitude_bits(raw + begin, end - begin, identity); },
-      [](bits_t a, bits_t b) { return max_bits(a, b); });
-  return BitsOf<scalar_t>::to_float(result);
+template <typename Bits>
+FASTMESH_ALWAYS_INLINE void max_magnitude_columns_impl(Panel<const Bits> x, Bits* __restrict acc) {
+  for (int64_t r = 0; r < x.rows; ++r) {
+    const Bits* row = x.row(r);
+    for (int64_t c = 0; c < x.cols; ++c) acc[c] = max_bits(acc[c], magnitude_bits(row[c]));
+  }
 }
 
-at::Tensor amax_cpu(const at::Tensor& x) {
-  check_float_input(x, "fastmesh::amax", "x");
+}  // namespace
+
+FASTMESH_CPU_CLONES void max_magnitude_blocks(Panel<const uint16_t> x, int64_t block, uint16_t* out) {
+  max_magnitude_blocks_impl(x, block, out);
+}
+FASTMESH_CPU_CLONES void max_magnitude_blocks(Panel<const uint32_t> x, int64_t block, uint32_t* out) {
+  max_magnitude_blocks_impl(x, block, out);
+}
+FASTMESH_CPU_CLONES void max_magnitude_columns(Panel<const uint16_t> x, uint16_t* acc) {
+  max_magnitude_columns_impl(x, acc);
+}
+FASTMESH_CPU_CLONES void max_magnitude_columns(Panel<const uint32_t> x, uint32_t* acc) {
+  max_magnitude_columns_impl(x, acc);
+}
+
+namespace {
+
+at::Tensor amax_cpu(const at::Tensor& x, c10::string_view granularity) {
+  constexpr const char* kOp = "fastmesh::amax";
+  check_float_input(x, kOp, "x");
+  const Granularity parsed = parse_granularity(granularity);
+  check_granularity_dims(x, parsed, granularity, kOp);
+  const auto sizes = scale_sizes(parsed, x.sizes());
+  const auto options = x.options().dtype(at::kFloat);
+  if (x.numel() == 0) return at::zeros(sizes, options);
   // The reduction is order-independent, so a contiguous copy changes nothing but speed.
   const at::Tensor input = x.contiguous();
-  float result = 0.0f;
-  AT_DISPATCH_SWITCH(input.scalar_type(), "fastmesh_amax_cpu",
-      AT_DISPATCH_CASE(at::kFloat, [&] { result = amax_contiguous<float>(input); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] { result = amax_contiguous<c10::BFloat16>(input); })
-      AT_DISPATCH_CASE(at::kHalf, [&] { result = amax_contiguous<c10::Half>(input); }));
-  at::Tensor out = at::empty({}, x.options().dtype(at::kFloat));
-  *out.mutable_data_ptr<float>() = result;
+  at::Tensor out = at::empty(sizes, options);
+  dispatch_float_input(input.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    group_amax(matrix_panel(input.const_data_ptr<scalar_t>(), as_rows(input)), parsed, out.mutable_data_ptr<float>());
+  });
   return out;
 }
 
 }  // namespace
+}  // namespace cpu
 }  // namespace fastmesh
 
 TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
-  m.impl("amax", &fastmesh::amax_cpu);
+  m.impl("amax", &fastmesh::cpu::amax_cpu);
 }

@@ -36,15 +36,15 @@ FASTMESH_HOST_DEVICE FASTMESH_INLINE constexpr float fp8_max(Fp8Format format) {
 //   amax == inf       -> 0 (scale inf: the group dequantizes to non-finite values, as it should)
 //   amax is NaN       -> NaN (the whole group becomes NaN)
 //   power_of_two      -> rounded down to a power of two (mantissa bits cleared); exact to invert
+// Selects instead of branches, so that a loop over many groups vectorizes (the division also runs for
+// amax == 0, giving inf, which the last select replaces).
 FASTMESH_HOST_DEVICE FASTMESH_INLINE float quant_scale_from_amax(float amax, float max_value, bool power_of_two) {
-  if (amax == 0.0f) return 1.0f;
   float q = max_value / amax;
-  if (q > kFloatMax) q = kFloatMax;
-  if (power_of_two && q > 0.0f && q <= kFloatMax) {
-    // q is normal here (q >= 448 / FLT_MAX > FLT_MIN), so clearing the mantissa floors it to 2^k.
-    q = float_from_bits(float_to_bits(q) & 0xff800000u);
-  }
-  return q;
+  q = q > kFloatMax ? kFloatMax : q;
+  // Where it is selected, q is normal (q >= 448 / FLT_MAX > FLT_MIN), so clearing the mantissa floors it to 2^k.
+  const float floored = float_from_bits(float_to_bits(q) & 0xff800000u);
+  q = power_of_two && q > 0.0f && q <= kFloatMax ? floored : q;
+  return amax == 0.0f ? 1.0f : q;
 }
 
 // fp32 -> FP8 with round-to-nearest-even and saturation to +-max (infinities included); NaN -> 0x7F.
@@ -54,10 +54,11 @@ FASTMESH_HOST_DEVICE FASTMESH_INLINE float quant_scale_from_amax(float amax, flo
 // addition: adding 2^(e + 23 - mantissa_bits), where 2^e is the magnitude's binade (at least the smallest
 // normal FP8 binade, so that subnormal results round at the subnormal spacing), leaves exactly the bits
 // FP8 keeps in the sum's mantissa, rounded to nearest even by the fp32 adder; a carry moves into the next
-// binade by itself. The sum's mantissa then counts FP8 ulps above 2^e, and the code is that count plus
-// the code of the binade 2^e minus one binade's worth. Only integer and fp32 operations without
-// branches: compilers vectorize it and every backend produces the same bits. It equals the exact
-// round-to-nearest-even cast for all 2^32 inputs (checked exhaustively, both formats).
+// binade by itself. The sum's low bits then hold the rounded magnitude in FP8 ulps of that binade (the
+// implicit leading one included, as 2^mantissa_bits), so adding (e - e_min) << mantissa_bits gives the
+// code. Only integer and fp32 operations without branches: compilers vectorize it and every backend
+// produces the same bits. It equals the exact round-to-nearest-even cast for all 2^32 inputs (checked
+// exhaustively, both formats).
 template <Fp8Format kFormat>
 FASTMESH_HOST_DEVICE FASTMESH_INLINE uint8_t cast_to_fp8_bits(float value) {
   constexpr bool kE4M3 = kFormat == Fp8Format::kE4M3FN;
@@ -76,10 +77,13 @@ FASTMESH_HOST_DEVICE FASTMESH_INLINE uint8_t cast_to_fp8_bits(float value) {
   const uint32_t rounder = binade + (static_cast<uint32_t>(kDropBits) << 23);
   const uint32_t sum = float_to_bits(float_from_bits(clamped) + float_from_bits(rounder));
   const uint32_t code = (sum - rounder) + (binade >> kDropBits) - kMinNormalCode;
-  const uint32_t result = magnitude > 0x7f800000u ? 0x7fu : (code | ((bits >> 24) & 0x80u));
-  // A no-op (result <= 0xff) that keeps GCC from narrowing every intermediate to bytes when it
-  // vectorizes a loop of these casts, which costs a byte repack per term (about 1.4x slower).
-  return static_cast<uint8_t>(result < 0xffu ? result : 0xffu);
+  // NaN -> 0x7F: its code (that of the clamped max) is below 0x7F, and its sign is dropped. Integer
+  // selects only, so that the fp32 addition above is never moved under a condition: compilers may not
+  // speculate an addition that could raise an FP exception, and could then vectorize a loop of casts
+  // only with AVX-512 masking.
+  const bool is_nan = magnitude > 0x7f800000u;
+  const uint32_t sign = is_nan ? 0u : (bits >> 24) & 0x80u;
+  return static_cast<uint8_t>(max_bits(code, is_nan ? 0x7fu : 0u) | sign);
 }
 
 FASTMESH_HOST_DEVICE FASTMESH_INLINE uint8_t cast_to_fp8_bits(float value, Fp8Format format) {
