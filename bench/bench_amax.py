@@ -10,29 +10,13 @@ Timings are interleaved round-robin and reported as medians with the interquarti
 
 import argparse
 import platform
-import statistics
-import time
 
 import torch
 
 import fastmesh
+from timing import median_iqr, time_interleaved
 
 
-def _median_and_iqr(samples):
-    quartiles = statistics.quantiles(samples, n=4)
-    return statistics.median(samples), quartiles[2] - quartiles[0]
-
-
-def _time_interleaved(candidates, repeats, sync):
-    timings = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            timings[name].append(time.perf_counter() - start)
-    return timings
 
 
 def main():
@@ -60,18 +44,18 @@ def main():
     expected = x.abs().amax().float()
     for name in ("fastmesh.amax", "torch.compile"):
         assert torch.equal(candidates[name](), expected), f"{name} disagrees with eager"
-    _time_interleaved(candidates, 3, sync)  # warm-up: compile, caches, page faults
+    time_interleaved(candidates, 3, sync)  # warm-up: compile, caches, page faults
 
-    timings = _time_interleaved(candidates, args.repeats, sync)
+    timings = time_interleaved(candidates, args.repeats, sync)
     nbytes = x.numel() * x.element_size()
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"machine: {platform.node()} {device_name}; {args.threads} threads; {platform.platform()}")
     print(f"versions: fastmesh {fastmesh.__version__}, torch {torch.__version__}, python {platform.python_version()}")
     print(f"input: [{args.rows}, {args.cols}] {args.dtype} on {device} ({nbytes / 1e6:.1f} MB read)")
-    bound_median = _median_and_iqr(timings["bound: fp32 sum, same bytes"])[0]
+    bound_median = median_iqr(timings["bound: fp32 sum, same bytes"])[0]
     print(f"{'candidate':30s} {'median ms':>10s} {'IQR ms':>8s} {'GB/s':>8s} {'% of bound':>10s}")
     for name, samples in timings.items():
-        median, iqr = _median_and_iqr(samples)
+        median, iqr = median_iqr(samples)
         print(f"{name:30s} {median * 1e3:10.3f} {iqr * 1e3:8.3f} {nbytes / median / 1e9:8.1f} "
               f"{100 * bound_median / median:9.0f}%")
 

@@ -23,15 +23,14 @@ thresholds raised: freed buffers are then recycled without page faults, for ever
 import argparse
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 import fastmesh
 from fastmesh.kernels import fp8_reference as ref
+from timing import median_iqr, time_interleaved
 
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 E4M3 = torch.float8_e4m3fn
@@ -61,21 +60,6 @@ def eager_quantize(x, granularity, out, scale=None):
     return out
 
 
-def _median_iqr(samples):
-    quartiles = statistics.quantiles(samples, n=4)
-    return statistics.median(samples), quartiles[2] - quartiles[0]
-
-
-def _timed(candidates, repeats, sync):
-    timings = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            timings[name].append(time.perf_counter() - start)
-    return timings
 
 
 def _check(got, x, granularity, scale):
@@ -114,9 +98,9 @@ def run(args):
             "compile": lambda: compiled(x, granularity, fp8_out, scale),
             "copy bound": lambda: copy_out.copy_(x),
         }
-        _timed(candidates, 3, sync)  # warm-up: compile, caches
-        timings = _timed(candidates, args.repeats, sync)
-        medians = {name: _median_iqr(samples) for name, samples in timings.items()}
+        time_interleaved(candidates, 3, sync)  # warm-up: compile, caches
+        timings = time_interleaved(candidates, args.repeats, sync)
+        medians = {name: median_iqr(samples) for name, samples in timings.items()}
         copy_gbs = 2 * in_bytes / medians["copy bound"][0] / 1e9
         label = f"{granularity}{' (given scale)' if mode else ''}"
         for name, (median, iqr) in medians.items():

@@ -8,7 +8,8 @@ Standalone, for a machine with an NVIDIA GPU (torch 2.11+ with CUDA; fastmesh bu
     python bench/gpu_check_fp8.py --library /path/fm.so # ops from a separately built library (no fastmesh import)
     python bench/gpu_check_fp8.py --device cpu --quick  # dry run of the checks on the CPU kernels (no GPU needed)
 
-1. Correctness. ``torch.ops.fastmesh.fp8_quantize_native`` and ``torch.ops.fastmesh.amax`` on CUDA against
+1. Correctness. ``torch.ops.fastmesh.fp8_quantize_native`` (with ``--impl triton``: ``fastmesh::fp8_quantize``
+   running the Triton kernels) and ``torch.ops.fastmesh.amax`` on CUDA against
    ``kernels/fp8_reference.py`` computed on the CPU: every granularity x FP8 dtype x input dtype x scale
    source (current, current + power_of_two, given amax, given amax + power_of_two, given scale) x transpose,
    on odd and even shapes (1-D, 3-D, empty, unaligned storage, K below one vector, rows longer than the
@@ -367,7 +368,7 @@ def check_quantize(ref, quick: bool, failures: list, poisoner: Poisoner) -> int:
                     None if amax is None else amax.to(DEVICE), transpose, power_of_two)
             for poison in POISONS:
                 try:
-                    out = poisoner.run(lambda: torch.ops.fastmesh.fp8_quantize_native(*args), output_nbytes(expected),
+                    out = poisoner.run(lambda: quantize_op(*args), output_nbytes(expected),
                                        poison)
                     if DEVICE == "cuda":
                         torch.cuda.synchronize()
@@ -412,7 +413,7 @@ def check_large(ref, failures: list, poisoner: Poisoner) -> int:
                 power_of_two)
         cases += 1
         try:
-            out = poisoner.run(lambda: torch.ops.fastmesh.fp8_quantize_native(*args), output_nbytes(expected),
+            out = poisoner.run(lambda: quantize_op(*args), output_nbytes(expected),
                                POISONS[0])
         except Exception as error:  # noqa: BLE001
             failures.append(f"{label}: raised {type(error).__name__}: {str(error).splitlines()[0]}")
@@ -477,7 +478,7 @@ def check_rejections(failures: list) -> int:
         bad.append(("scale on cpu", (x, E4M3, "rowwise", torch.ones(4, 1), None, False, False)))
     for name, args in bad:
         try:
-            torch.ops.fastmesh.fp8_quantize_native(*args)
+            quantize_op(*args)
             failures.append(f"rejection '{name}': the call ran instead of raising")
         except (TypeError, ValueError, RuntimeError):
             pass
@@ -526,7 +527,7 @@ def bench(ref, repeats: int) -> list[tuple]:
         scale = scale_given if given else None
 
         def call():
-            return torch.ops.fastmesh.fp8_quantize_native(x, E4M3, granularity, scale, None, transpose, False)
+            return quantize_op(x, E4M3, granularity, scale, None, transpose, False)
 
         out = call()
         nbytes = x.numel() * x.element_size() + sum(t.numel() * t.element_size() for t in out if t is not None)
@@ -564,6 +565,20 @@ def describe_machine(source: str) -> None:
     print(f"ops: {source}; repository commit {commit}")
 
 
+def _quantize_native(*args):
+    return torch.ops.fastmesh.fp8_quantize_native(*args)
+
+
+def _quantize_triton(*args):
+    # The public op with FASTMESH_FP8_CUDA_IMPL=triton (set in main); it returns empty data_t/scale_t
+    # where the native op returns None.
+    data, scale, amax, data_t, scale_t = torch.ops.fastmesh.fp8_quantize(*args)
+    return (data, scale, amax, data_t, scale_t) if args[5] else (data, scale, amax, None, None)
+
+
+quantize_op = _quantize_native
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and data variants")
@@ -575,9 +590,15 @@ def main() -> int:
     parser.add_argument("--library", help="load the ops from this shared library instead of importing fastmesh")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: dry run of the checks on the CPU kernels (tests this script; no benchmark)")
+    parser.add_argument("--impl", default="cuda", choices=["cuda", "triton"],
+                        help="which CUDA implementation to check: the CUDA C++ kernels (fp8_quantize_native) or "
+                             "the Triton kernels (fp8_quantize with FASTMESH_FP8_CUDA_IMPL=triton)")
     args = parser.parse_args()
 
-    global DEVICE
+    global DEVICE, quantize_op
+    if args.impl == "triton":
+        os.environ["FASTMESH_FP8_CUDA_IMPL"] = "triton"
+        quantize_op = _quantize_triton
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device visible", file=sys.stderr)

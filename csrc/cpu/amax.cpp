@@ -4,7 +4,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include "fastmesh/checks.h"
+#include "fastmesh/fp8_checks.h"
 #include "magnitude.h"
 
 namespace fastmesh {

@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "fastmesh/checks.h"
+#include "fastmesh/fp8_checks.h"
 #include "fastmesh/fp8_math.h"
 #include "magnitude.h"
 
@@ -505,37 +505,14 @@ void write_scales(const ScaleRule& rule, at::Tensor& scale) {
   reciprocals(q.data(), scale.numel(), scale.mutable_data_ptr<float>());
 }
 
-// A given scale or amax: float32, on x's device, in the scale layout.
-void check_group_tensor(const std::optional<at::Tensor>& given, const char* arg, const at::Tensor& x,
-                        c10::string_view granularity, at::IntArrayRef layout) {
-  if (!given.has_value()) return;
-  TORCH_CHECK_TYPE(given->scalar_type() == at::kFloat, kOp, ": ", arg, " must be float32, got ", given->scalar_type());
-  TORCH_CHECK_VALUE(given->device() == x.device(), kOp, ": ", arg, " must be on x's device ", x.device(), ", got ",
-                    given->device());
-  TORCH_CHECK_VALUE(given->sizes() == layout, kOp, ": ", arg, " must have shape ", layout, " for granularity '",
-                    std::string(granularity), "' and x of shape ", x.sizes(), ", got ", given->sizes());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> fp8_quantize_cpu(
     const at::Tensor& x, at::ScalarType dtype, c10::string_view granularity, const std::optional<at::Tensor>& scale,
     const std::optional<at::Tensor>& amax, bool transpose, bool power_of_two) {
-  check_float_input(x, kOp, "x");
-  const Fp8Format format = parse_fp8_format(dtype);
-  const Granularity parsed = parse_granularity(granularity);
-  check_granularity_dims(x, parsed, granularity, kOp);
-  TORCH_CHECK_VALUE(x.is_contiguous(), kOp, ": x must be contiguous, got strides ", x.strides());
-  TORCH_CHECK_VALUE(!(scale.has_value() && amax.has_value()), kOp,
-                    ": pass at most one of scale= (delayed scaling) and amax= (a precomputed amax)");
-  const auto layout = scale_sizes(parsed, x.sizes());
-  check_group_tensor(scale, "scale", x, granularity, layout);
-  check_group_tensor(amax, "amax", x, granularity, layout);
-  const bool given = scale.has_value() || amax.has_value();
-  if (transpose) {
-    TORCH_CHECK_VALUE(x.dim() >= 2, kOp, ": transpose=True needs x with at least 2 dims, got shape ", x.sizes());
-    TORCH_CHECK_VALUE(!given || parsed == Granularity::kTensorwise || parsed == Granularity::kBlock128x128, kOp,
-                      ": transpose=True with a given scale or amax needs granularity 'tensorwise' or 'block128x128', ",
-                      "got '", std::string(granularity), "'");
-  }
+  const QuantizeCall call = check_quantize_args(x, dtype, granularity, scale, amax, transpose, kOp);
+  const Fp8Format format = call.format;
+  const Granularity parsed = call.granularity;
+  const auto& layout = call.layout;
+  const bool given = call.given;
 
   const Rows rows = as_rows(x);
   const auto float_options = x.options().dtype(at::kFloat);

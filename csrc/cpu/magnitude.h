@@ -74,15 +74,6 @@ void max_magnitude_blocks(Panel<const uint32_t> x, int64_t block, uint32_t* out)
 void max_magnitude_columns(Panel<const uint16_t> x, uint16_t* acc);
 void max_magnitude_columns(Panel<const uint32_t> x, uint32_t* acc);
 
-// x must have at least 1 dim for rowwise / block1x128 and 2 for block128x128 (as fastmesh/ops/_checks.py).
-inline void check_granularity_dims(const at::Tensor& x, Granularity granularity, c10::string_view name,
-                                   const char* op) {
-  const int64_t min_dims =
-      granularity == Granularity::kTensorwise ? 0 : (granularity == Granularity::kBlock128x128 ? 2 : 1);
-  TORCH_CHECK_VALUE(x.dim() >= min_dims, op, ": granularity '", std::string(name), "' needs x with at least ", min_dims,
-                    " dim(s), got shape ", x.sizes());
-}
-
 // Calls fn(scalar_t{}) for the input dtypes the kernels read (fp32, bf16, fp16).
 template <typename Fn>
 void dispatch_float_input(at::ScalarType dtype, Fn&& fn) {

@@ -15,7 +15,7 @@
 #include <algorithm>
 
 #include "fastmesh/bits.h"
-#include "fastmesh/checks.h"
+#include "fastmesh/fp8_checks.h"
 #include "fastmesh/fp8_layout.h"
 #include "fp8_cuda.h"
 
@@ -84,7 +84,7 @@ void launch_amax(const at::Tensor& input, uint32_t* out_bits) {
 at::Tensor amax_cuda(const at::Tensor& x, c10::string_view granularity) {
   check_float_input(x, "fastmesh::amax", "x");
   const Granularity parsed = parse_granularity(granularity);
-  check_granularity_dims(x, parsed, "fastmesh::amax");
+  check_granularity_dims(x, parsed, granularity, "fastmesh::amax");
   const c10::cuda::CUDAGuard guard(x.device());
   // The reductions are order-independent, so a contiguous copy changes nothing but speed.
   const at::Tensor input = x.contiguous();

@@ -13,10 +13,6 @@ namespace fastmesh {
 // non-empty, float32/bfloat16/float16, on the current device. Defined in amax.cu.
 void launch_tensor_amax_bits(const at::Tensor& input, uint32_t* out_bits);
 
-// x must have at least 1 dim for rowwise / block1x128 and 2 for block128x128 (TORCH_CHECK_VALUE naming
-// `op`). Defined in fp8_quantize.cu.
-void check_granularity_dims(const at::Tensor& x, Granularity granularity, const char* op);
-
 // Per-group max|x| in the scale layout for rowwise, block1x128 and block128x128 (fastmesh::amax);
 // input contiguous, with the dims the granularity needs, on the current device. Defined in fp8_quantize.cu.
 at::Tensor group_amax_cuda(const at::Tensor& input, Granularity granularity);

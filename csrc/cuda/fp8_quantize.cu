@@ -40,7 +40,7 @@
 #include <vector>
 
 #include "fastmesh/bits.h"
-#include "fastmesh/checks.h"
+#include "fastmesh/fp8_checks.h"
 #include "fastmesh/fp8_layout.h"
 #include "fastmesh/fp8_math.h"
 #include "fp8_cuda.h"
@@ -760,20 +760,6 @@ constexpr int per_vector() {
   return Lanes<scalar_t>::kPerVector;
 }
 
-const char* granularity_name(Granularity granularity) {
-  switch (granularity) {
-    case Granularity::kTensorwise:
-      return "tensorwise";
-    case Granularity::kRowwise:
-      return "rowwise";
-    case Granularity::kBlock1x128:
-      return "block1x128";
-    case Granularity::kBlock128x128:
-      return "block128x128";
-  }
-  return "?";
-}
-
 template <typename scalar_t, Fp8Format kFormat>
 void launch_tensorwise_cast(const at::Tensor& x, const ScaleSource& source, at::Tensor& data, at::Tensor& scale,
                             uint32_t* amax_bits) {
@@ -839,38 +825,14 @@ uint32_t* bits_ptr(at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.mutable
 using QuantizeResult =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>;
 
-// A given scale or amax: float32, on x's device, in the scale layout (wording as the CPU kernel).
-void check_given(const std::optional<at::Tensor>& given, const char* arg, const at::Tensor& x,
-                 c10::string_view granularity, at::IntArrayRef layout) {
-  if (!given.has_value()) return;
-  TORCH_CHECK_TYPE(given->scalar_type() == at::kFloat, kOp, ": ", arg, " must be float32, got ", given->scalar_type());
-  TORCH_CHECK_VALUE(given->device() == x.device(), kOp, ": ", arg, " must be on x's device ", x.device(), ", got ",
-                    given->device());
-  TORCH_CHECK_VALUE(given->sizes() == layout, kOp, ": ", arg, " must have shape ", layout, " for granularity '",
-                    std::string(granularity), "' and x of shape ", x.sizes(), ", got ", given->sizes());
-}
-
 QuantizeResult fp8_quantize_cuda(const at::Tensor& x, at::ScalarType dtype, c10::string_view granularity_arg,
                                  const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& amax,
                                  bool transpose, bool power_of_two) {
-  // The checks and their order are the CPU kernel's, so both devices reject a call the same way.
-  check_float_input(x, kOp, "x");
-  const Fp8Format format = parse_fp8_format(dtype);
-  const Granularity granularity = parse_granularity(granularity_arg);
-  check_granularity_dims(x, granularity, kOp);
-  TORCH_CHECK_VALUE(x.is_contiguous(), kOp, ": x must be contiguous, got strides ", x.strides());
-  TORCH_CHECK_VALUE(!(scale.has_value() && amax.has_value()), kOp,
-                    ": pass at most one of scale= (delayed scaling) and amax= (a precomputed amax)");
-  const std::vector<int64_t> sizes = scale_sizes(granularity, x.sizes());
-  check_given(scale, "scale", x, granularity_arg, sizes);
-  check_given(amax, "amax", x, granularity_arg, sizes);
-  const bool given = scale.has_value() || amax.has_value();
-  if (transpose) {
-    TORCH_CHECK_VALUE(x.dim() >= 2, kOp, ": transpose=True needs x with at least 2 dims, got shape ", x.sizes());
-    TORCH_CHECK_VALUE(!given || granularity == Granularity::kTensorwise || granularity == Granularity::kBlock128x128,
-                      kOp, ": transpose=True with a given scale or amax needs granularity 'tensorwise' or ",
-                      "'block128x128', got '", std::string(granularity_arg), "'");
-  }
+  const QuantizeCall call = check_quantize_args(x, dtype, granularity_arg, scale, amax, transpose, kOp);
+  const Fp8Format format = call.format;
+  const Granularity granularity = call.granularity;
+  const std::vector<int64_t>& sizes = call.layout;
+  const bool given = call.given;
 
   const c10::cuda::CUDAGuard guard(x.device());
   const Rows rows = as_rows(x);
@@ -998,15 +960,6 @@ QuantizeResult fp8_quantize_cuda(const at::Tensor& x, at::ScalarType dtype, c10:
 }
 
 }  // namespace
-
-// x must have at least 1 dim for rowwise / block1x128 and 2 for block128x128. Same rule and wording as
-// the CPU kernels (csrc/cpu/magnitude.h), so both devices reject a call the same way.
-void check_granularity_dims(const at::Tensor& x, Granularity granularity, const char* op) {
-  const int64_t min_dims =
-      granularity == Granularity::kTensorwise ? 0 : granularity == Granularity::kBlock128x128 ? 2 : 1;
-  TORCH_CHECK_VALUE(x.dim() >= min_dims, op, ": granularity '", granularity_name(granularity),
-                    "' needs x with at least ", min_dims, " dim(s), got shape ", x.sizes());
-}
 
 at::Tensor group_amax_cuda(const at::Tensor& input, Granularity granularity) {
   TORCH_CHECK(granularity != Granularity::kTensorwise, "group_amax_cuda: tensorwise has its own kernel");
