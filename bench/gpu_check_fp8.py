@@ -469,13 +469,15 @@ def check_rejections(failures: list) -> int:
         ("scale and amax", (x, E4M3, "tensorwise", torch.ones((), device=d), torch.ones((), device=d), False, False)),
         ("scale shape", (x, E4M3, "rowwise", torch.ones(4, device=d), None, False, False)),
         ("scale float64", (x, E4M3, "rowwise", torch.ones(4, 1, device=d, dtype=torch.float64), None, False, False)),
-        ("non-contiguous x", (x.t(), E4M3, "rowwise", None, None, False, False)),
         ("block128x128 on 1-d", (x[0], E4M3, "block128x128", None, None, False, False)),
         ("fp16 target", (x, torch.float16, "rowwise", None, None, False, False)),
         ("unknown granularity", (x, E4M3, "colwise", None, None, False, False)),
     ]
     if d == "cuda":
         bad.append(("scale on cpu", (x, E4M3, "rowwise", torch.ones(4, 1), None, False, False)))
+    if quantize_op is _quantize_native:
+        # The kernels read x as row-major; the public op copies a strided x first, the native op refuses it.
+        bad.append(("non-contiguous x", (x.t(), E4M3, "rowwise", None, None, False, False)))
     for name, args in bad:
         try:
             quantize_op(*args)
@@ -632,9 +634,9 @@ def main() -> int:
         # Cheap, distinct checks first, so that a run out of time still covers every kind of check.
         counts["rejected calls"] = check_rejections(failures)
         counts["amax"] = check_amax(ref, args.quick, failures, poisoner)
-        counts["fp8_quantize_native, large"] = check_large(ref, failures, poisoner)
+        counts[f"{quantize_op.__name__.lstrip('_')}, large"] = check_large(ref, failures, poisoner)
         try:
-            counts["fp8_quantize_native"] = check_quantize(ref, args.quick, failures, poisoner)
+            counts[quantize_op.__name__.lstrip('_')] = check_quantize(ref, args.quick, failures, poisoner)
         except OutOfTime as stop:
             incomplete = f"correctness checks INCOMPLETE: out of time (--check-seconds {args.check_seconds:.0f}) {stop}"
         print(f"\ncorrectness ({time.perf_counter() - started:.0f} s): " +
