@@ -66,6 +66,7 @@ def test_jit_build_compiles_sources_into_cache(tmp_path):
     assert report["info"]["source_digest"] == _build_config.source_digest()
 
 
+@pytest.mark.skipif(not os.path.isdir(_build_config.csrc_dir()), reason="build plans list the sources of a checkout")
 class TestBuildPlan:
     def test_wrapper_nvcc_is_not_a_toolkit(self, tmp_path, monkeypatch):
         wrapper = tmp_path / "wrapper"

@@ -512,7 +512,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   const Fp8Format format = call.format;
   const Granularity parsed = call.granularity;
   const auto& layout = call.layout;
-  const bool given = call.given;
 
   const Rows rows = as_rows(x);
   const auto float_options = x.options().dtype(at::kFloat);

@@ -832,7 +832,6 @@ QuantizeResult fp8_quantize_cuda(const at::Tensor& x, at::ScalarType dtype, c10:
   const Fp8Format format = call.format;
   const Granularity granularity = call.granularity;
   const std::vector<int64_t>& sizes = call.layout;
-  const bool given = call.given;
 
   const c10::cuda::CUDAGuard guard(x.device());
   const Rows rows = as_rows(x);
