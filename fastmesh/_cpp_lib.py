@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 import logging
 import os
+import sys
 import threading
 from types import ModuleType
 from typing import Any

@@ -200,7 +200,7 @@ def test_scaled_mm_sqnr(granularity):
         pytest.skip("torch < 2.13 runs only tensor-wise scales in torch._scaled_mm on CPU")
     # FP8 matmul quality: both operands quantized, torch._scaled_mm on CPU vs the fp32 product.
     # e4m3 keeps 3 mantissa bits (relative error <= 2^-4 per element); a K=512 dot product averages
-    # that noise down, and a product of two e4m3 operands measures ~29-31 dB here. Floor: 25 dB.
+    # that noise down: these operands measure 28.6 dB with either granularity (torch 2.14.1). Floor: 25 dB.
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(128, 512, generator=generator)
     b = torch.randn(256, 512, generator=generator)
@@ -220,6 +220,7 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.fastmesh.amax, (x, granularity))
     scale = torch.full((33, 1), 0.01)
     torch.library.opcheck(torch.ops.fastmesh.fp8_quantize, (x, E4M3, "rowwise", scale))
+    torch.library.opcheck(torch.ops.fastmesh.fp8_quantize, (torch.empty(5, 0), E4M3, "rowwise", None, None, True))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

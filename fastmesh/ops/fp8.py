@@ -46,6 +46,7 @@ on CUDA contains the Triton kernels themselves.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import NamedTuple, Optional
 
@@ -173,8 +174,8 @@ def _fp8_quantize_native_fake(x, dtype, granularity, scale=None, amax=None, tran
     amax_out = x.new_empty(per_group, dtype=torch.float32)
     if not transpose:
         return data, scale_out, amax_out, None, None
-    rows = x.reshape(-1, x.shape[-1])
-    data_t = rows.new_empty((rows.shape[1], rows.shape[0]), dtype=dtype)
+    # x as [M, K] with M computed, not inferred: reshape(-1, 0) is ambiguous for an empty x.
+    data_t = x.new_empty((x.shape[-1], math.prod(x.shape[:-1])), dtype=dtype)
     scale_t = x.new_empty(scale_shape(data_t.shape, granularity), dtype=torch.float32)
     return data, scale_out, amax_out, data_t, scale_t
 
@@ -188,8 +189,9 @@ def fp8_quantize(
     transpose: bool = False,
     power_of_two: bool = False,
 ) -> Float8Quantized:
-    """The op on one tensor (no group): see the module docstring. Not differentiable."""
-    check_quantize_args(x, dtype, granularity, scale, amax, transpose, power_of_two, op="fastmesh.fp8.quantize")
+    """The op on one tensor (no group): see the module docstring. Not differentiable.
+
+    The op body validates the arguments before any kernel runs, in eager and under tracing alike."""
     _cpp_lib.require()
     data, scale_out, amax_out, data_t, scale_t = torch.ops.fastmesh.fp8_quantize(
         x.detach(), dtype, granularity, scale, amax, transpose, power_of_two
