@@ -11,10 +11,19 @@ import warnings
 from fastmesh import fp8
 from fastmesh._cpp_lib import ExtensionError, load_error
 from fastmesh.mesh import group_name, init_mesh
-from fastmesh.ops import amax
+from fastmesh.ops import all_gather_matmul, amax, matmul_reduce_scatter
 from fastmesh.version import __version__
 
-__all__ = ["ExtensionError", "__version__", "amax", "fp8", "group_name", "init_mesh"]
+__all__ = [
+    "ExtensionError",
+    "__version__",
+    "all_gather_matmul",
+    "amax",
+    "fp8",
+    "group_name",
+    "init_mesh",
+    "matmul_reduce_scatter",
+]
 
 
 def _load_kernels() -> None:

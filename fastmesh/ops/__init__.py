@@ -3,5 +3,6 @@
 from fastmesh.ops import _library
 from fastmesh.ops.amax import amax
 from fastmesh.ops.fp8 import Float8Quantized, quantize
+from fastmesh.ops.fused_collectives import all_gather_matmul, matmul_reduce_scatter
 
-__all__ = ["Float8Quantized", "amax", "quantize"]
+__all__ = ["Float8Quantized", "all_gather_matmul", "amax", "matmul_reduce_scatter", "quantize"]

@@ -66,3 +66,12 @@ def check_per_group_tensor(t: torch.Tensor, arg: str, x: torch.Tensor, granulari
             f"{op}: {arg} must have shape {list(expected)} for granularity {granularity!r} and x of shape "
             f"{list(x.shape)}, got {list(t.shape)}"
         )
+
+
+def wrap_dim(dim, ndim: int, op: str, arg: str, tensor_arg: str) -> int:
+    """``dim`` of a tensor with ``ndim`` dims, in ``[-ndim, ndim)``, made non-negative."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{op}: {arg} must be an int, got {type(dim).__name__}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{op}: {arg} must be in [{-ndim}, {ndim - 1}] for {tensor_arg} with {ndim} dim(s), got {dim}")
+    return dim % ndim

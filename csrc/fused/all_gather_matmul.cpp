@@ -1,0 +1,214 @@
+// fastmesh::all_gather_matmul: all-gather a_shard along gather_dim and multiply by each b, the transfer of
+// one piece overlapping the multiply of the previous one (schedule: fastmesh/pipeline.h).
+//
+// The kernel only talks to c10d through its ProcessGroup, so the same code runs on CPU tensors (gloo: a
+// wait blocks the host until the piece has arrived) and on CUDA tensors (NCCL: the transfers run on
+// NCCL's stream and a wait makes the current stream wait for that piece, so the host enqueues the
+// whole pipeline without blocking).
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "blocks.h"
+#include "checks.h"
+#include "fastmesh/pipeline.h"
+#include "process_group.h"
+
+namespace fastmesh {
+namespace fused {
+namespace {
+
+constexpr const char* kOp = "fastmesh::all_gather_matmul";
+
+using pipeline::Piece;
+using pipeline::RowLayout;
+
+// The received pieces, piece-major: piece i holds every rank's part of it as [world, rows_i, K] so that
+// each transfer is one plain all-gather into one contiguous buffer.
+struct GatheredPieces {
+  std::vector<Piece> pieces;
+  std::vector<at::Tensor> received;  // [world, rows, K] per piece
+  std::vector<Work> works;
+
+  // Starts every piece's all-gather; the transport runs them back to back.
+  GatheredPieces(const Group& group, const at::Tensor& shard_rows, const RowLayout& layout, int64_t chunks) {
+    const int64_t world = group->getSize();
+    const int64_t k = shard_rows.size(1);
+    pieces = pipeline::split_units(
+        layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * k * shard_rows.element_size(), chunks));
+    at::Tensor storage = at::empty({world * shard_rows.numel()}, shard_rows.options());
+    int64_t offset = 0;
+    for (const Piece& piece : pieces) {
+      const int64_t rows = piece.units() * layout.unit_rows;
+      at::Tensor out = storage.narrow(0, offset, world * rows * k).view({world, rows, k});
+      offset += world * rows * k;
+      at::Tensor flat_out = out.view({world * rows, k});
+      at::Tensor in = shard_rows.narrow(0, piece.unit_begin * layout.unit_rows, rows);
+      works.push_back(start_all_gather(group, flat_out, in));
+      received.push_back(out);
+    }
+  }
+
+  const at::Tensor& wait(size_t i) {
+    works[i]->wait();
+    return received[i];
+  }
+};
+
+std::vector<int64_t> with_size(at::IntArrayRef sizes, int64_t dim, int64_t size) {
+  std::vector<int64_t> out(sizes.begin(), sizes.end());
+  out[dim] = size;
+  return out;
+}
+
+// gather_dim < last: every rank's rows are a block of the output rows; no cross-rank sums.
+void gather_rows(const Group& group, const at::Tensor& shard, int64_t dim, at::TensorList bs,
+                 std::vector<at::Tensor>& outs, std::optional<at::Tensor>& a_full, int64_t chunks) {
+  const int64_t world = group->getSize(), rank = group->getRank();
+  const RowLayout layout = pipeline::row_layout(shard.sizes(), dim);
+  const int64_t k = shard.size(-1);
+  const at::Tensor shard_rows = shard.view({-1, k});
+  GatheredPieces gathered(group, shard_rows, layout, chunks);
+
+  std::vector<at::Tensor> out_blocks;
+  for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
+  const at::Tensor shard_block = shard.view({layout.outer, layout.inner, k});
+  const Piece whole{0, layout.units};
+  for (size_t i = 0; i < bs.size(); ++i) matmul_into(rank_block(out_blocks[i], layout, rank, whole), shard_block, bs[i]);
+  at::Tensor a_blocks;
+  if (a_full) {
+    a_blocks = rank_blocks_view(*a_full, layout, world);
+    rank_block(a_blocks, layout, rank, whole).copy_(shard_block);
+  }
+
+  for (size_t p = 0; p < gathered.pieces.size(); ++p) {
+    const Piece piece = gathered.pieces[p];
+    const at::Tensor& received = gathered.wait(p);
+    for (int64_t j = 0; j < world; ++j) {
+      if (j == rank) continue;
+      const at::Tensor part = as_block(received[j], layout);
+      for (size_t i = 0; i < bs.size(); ++i) matmul_into(rank_block(out_blocks[i], layout, j, piece), part, bs[i]);
+      if (a_full) rank_block(a_blocks, layout, j, piece).copy_(part);
+    }
+  }
+}
+
+// gather_dim == last: the gathered dim is the contraction dim, so out = sum_j shard_j @ b[rows of rank j].
+// Every rank adds the partial products in rank order, from products of the same shapes, so the
+// replicated result is bitwise identical on every rank (low-precision inputs: summed in fp32).
+void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorList bs, std::vector<at::Tensor>& outs,
+                        std::optional<at::Tensor>& a_full, int64_t chunks) {
+  const int64_t world = group->getSize(), rank = group->getRank();
+  const int64_t k = shard.size(-1);
+  const at::Tensor shard_rows = shard.view({-1, k});
+  const RowLayout layout = pipeline::row_layout(shard_rows.sizes(), 1);  // units = rows
+  GatheredPieces gathered(group, shard_rows, layout, chunks);
+
+  auto b_part = [&](size_t i, int64_t j) { return bs[i].narrow(0, j * k, k); };
+  // The local partial products, per piece, while the first pieces travel.
+  std::vector<std::vector<at::Tensor>> own(gathered.pieces.size());
+  for (size_t p = 0; p < gathered.pieces.size(); ++p) {
+    const Piece piece = gathered.pieces[p];
+    for (size_t i = 0; i < bs.size(); ++i) own[p].push_back(at::mm(shard_rows.narrow(0, piece.unit_begin, piece.units()), b_part(i, rank)));
+  }
+  std::vector<at::Tensor> out_rows;
+  for (const at::Tensor& out : outs) out_rows.push_back(out.view({-1, out.size(-1)}));
+  at::Tensor a_parts;
+  if (a_full) {
+    a_parts = a_full->view({-1, world, k});
+    a_parts.select(1, rank).copy_(shard_rows);
+  }
+  const bool accumulate_in_out = shard.scalar_type() == at::kFloat || shard.scalar_type() == at::kDouble;
+
+  for (size_t p = 0; p < gathered.pieces.size(); ++p) {
+    const Piece piece = gathered.pieces[p];
+    const at::Tensor& received = gathered.wait(p);
+    for (size_t i = 0; i < bs.size(); ++i) {
+      at::Tensor rows = out_rows[i].narrow(0, piece.unit_begin, piece.units());
+      at::Tensor sum = accumulate_in_out ? rows : at::empty(rows.sizes(), rows.options().dtype(at::kFloat));
+      for (int64_t j = 0; j < world; ++j) {
+        const at::Tensor partial = j == rank ? own[p][i] : at::mm(received[j], b_part(i, j));
+        if (j == 0) {
+          sum.copy_(partial);
+        } else {
+          sum.add_(partial);
+        }
+      }
+      if (!accumulate_in_out) rows.copy_(sum);
+    }
+    if (a_full) {
+      for (int64_t j = 0; j < world; ++j) {
+        if (j != rank) a_parts.select(1, j).narrow(0, piece.unit_begin, piece.units()).copy_(received[j]);
+      }
+    }
+  }
+}
+
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul(
+    const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim, c10::string_view group_name, bool return_a,
+    int64_t chunks) {
+  check_matmul_operand(a_shard, kOp, "a_shard", 1, INT64_MAX);
+  const int64_t dim = wrap_dim(gather_dim, a_shard.dim(), kOp, "gather_dim", "a_shard");
+  check_chunks(chunks, kOp);
+  TORCH_CHECK_VALUE(!bs.empty(), kOp, ": bs must hold at least one matrix, got an empty list");
+  const Group group = resolve_group(group_name, kOp);
+  const int64_t world = group->getSize();
+  const bool contraction = dim == a_shard.dim() - 1;
+  const int64_t k_full = contraction ? a_shard.size(-1) * world : a_shard.size(-1);
+  for (size_t i = 0; i < bs.size(); ++i) {
+    const std::string arg = "bs[" + std::to_string(i) + "]";
+    check_matmul_operand(bs[i], kOp, arg, 2, 2);
+    check_like(bs[i], a_shard, kOp, arg, "a_shard");
+    TORCH_CHECK_VALUE(bs[i].size(0) == k_full, kOp, ": ", arg, " must have ", k_full, " rows (the last dim of the ",
+                      contraction ? "gathered a: a_shard's last dim times the group size " + std::to_string(world)
+                                  : std::string("a_shard"),
+                      "), got shape ", bs[i].sizes());
+  }
+  check_same_shape_on_all_ranks(group, a_shard, kOp, "a_shard");
+
+  const std::vector<int64_t> full_sizes = with_size(a_shard.sizes(), dim, a_shard.size(dim) * world);
+  std::optional<at::Tensor> a_full;
+  std::vector<at::Tensor> outs;
+  if (world == 1) {
+    for (const at::Tensor& b : bs) outs.push_back(at::matmul(a_shard, b));
+    if (return_a) a_full = a_shard.clone();
+    return {a_full, outs};
+  }
+
+  const int64_t last = a_shard.dim() - 1;
+  for (const at::Tensor& b : bs) {
+    outs.push_back(at::empty(with_size(full_sizes, last, b.size(1)), a_shard.options()));
+  }
+  if (return_a) a_full = at::empty(full_sizes, a_shard.options());
+  if (a_shard.numel() == 0) {
+    // Same shapes on every rank (checked), so every rank skips the transfer. The products are sums over
+    // an empty contraction dim, or empty themselves.
+    for (at::Tensor& out : outs) out.zero_();
+    return {a_full, outs};
+  }
+  const at::Tensor shard = a_shard.contiguous();
+  if (contraction) {
+    gather_contraction(group, shard, bs, outs, a_full, chunks);
+  } else {
+    gather_rows(group, shard, dim, bs, outs, a_full, chunks);
+  }
+  return {a_full, outs};
+}
+
+}  // namespace
+}  // namespace fused
+}  // namespace fastmesh
+
+TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
+  m.impl("all_gather_matmul", &fastmesh::fused::all_gather_matmul);
+}
+TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {
+  m.impl("all_gather_matmul", &fastmesh::fused::all_gather_matmul);
+}

@@ -1,0 +1,46 @@
+// Block views and block multiplies shared by the fused collectives.
+//
+// A tensor that is the concatenation of `world` rank blocks along a dim (the gathered input, the
+// scattered product) is viewed as [P, world, Q, C]: P = product of the dims before that dim, Q = the rest
+// of one rank's rows, C the last dim. A pipeline piece (pipeline.h) covers units [u0, u1) of every rank's
+// block; rank_block() is the part of rank j, as a batch of matrices [B, rows, C] with unit stride in C.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/mm.h>
+
+#include "fastmesh/pipeline.h"
+
+namespace fastmesh {
+namespace fused {
+
+inline at::Tensor rank_blocks_view(const at::Tensor& t, const pipeline::RowLayout& layout, int64_t world) {
+  return t.view({layout.outer, world, layout.inner, t.size(-1)});
+}
+
+// [B, rows, C] part of rank `rank` of a [P, world, Q, C] view covering `piece`.
+inline at::Tensor rank_block(const at::Tensor& blocks, const pipeline::RowLayout& layout, int64_t rank,
+                             pipeline::Piece piece) {
+  if (layout.outer == 1) return blocks.select(0, 0).select(0, rank).narrow(0, piece.unit_begin, piece.units()).unsqueeze(0);
+  return blocks.narrow(0, piece.unit_begin, piece.units()).select(1, rank);
+}
+
+// A contiguous [rows, C] piece as the [B, rows', C] batch rank_block() gives for the same piece.
+inline at::Tensor as_block(const at::Tensor& piece_rows, const pipeline::RowLayout& layout) {
+  return piece_rows.view({-1, layout.outer == 1 ? piece_rows.size(0) : layout.inner, piece_rows.size(-1)});
+}
+
+// out[i] = a[i] @ mat for every batch entry, written in place: `out` may be strided in its batch and row
+// dims (BLAS takes the leading dimension and batch stride as they are, no temporary).
+inline void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& mat) {
+  if (out.size(0) == 1) {
+    at::Tensor out_matrix = out.select(0, 0);
+    at::mm_out(out_matrix, a.select(0, 0), mat);
+  } else {
+    at::bmm_out(out, a, mat.expand({a.size(0), mat.size(0), mat.size(1)}));
+  }
+}
+
+}  // namespace fused
+}  // namespace fastmesh

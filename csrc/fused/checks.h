@@ -1,0 +1,44 @@
+// Argument checks of the fused collectives; the wording matches fastmesh/ops/fused_collectives.py, which
+// runs the same checks before a call reaches the dispatcher.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace fastmesh {
+namespace fused {
+
+inline void check_matmul_operand(const at::Tensor& t, const char* op, const std::string& arg, int64_t min_dim,
+                                 int64_t max_dim) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble,
+                   op, ": ", arg, " must be float32, bfloat16, float16 or float64, got ", dtype);
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", arg, " must be a dense (strided) tensor, got ", t.layout());
+  TORCH_CHECK_VALUE(t.dim() >= min_dim && t.dim() <= max_dim, op, ": ", arg, " must have ",
+                    min_dim == max_dim ? std::to_string(min_dim) : "at least " + std::to_string(min_dim),
+                    " dim(s), got shape ", t.sizes());
+}
+
+inline void check_like(const at::Tensor& t, const at::Tensor& reference, const char* op, const std::string& arg,
+                       const char* reference_arg) {
+  TORCH_CHECK_TYPE(t.scalar_type() == reference.scalar_type(), op, ": ", arg, " must have ", reference_arg,
+                   "'s dtype ", reference.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == reference.device(), op, ": ", arg, " must be on ", reference_arg, "'s device ",
+                    reference.device(), ", got ", t.device());
+}
+
+// `dim` in [-ndim, ndim), returned non-negative.
+inline int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op, const char* arg, const char* tensor_arg) {
+  TORCH_CHECK_VALUE(dim >= -ndim && dim < ndim, op, ": ", arg, " must be in [", -ndim, ", ", ndim - 1, "] for ",
+                    tensor_arg, " with ", ndim, " dim(s), got ", dim);
+  return dim < 0 ? dim + ndim : dim;
+}
+
+inline void check_chunks(int64_t chunks, const char* op) {
+  TORCH_CHECK_VALUE(chunks >= 0, op, ": chunks must be >= 0 (0 picks the count from the shapes), got ", chunks);
+}
+
+}  // namespace fused
+}  // namespace fastmesh

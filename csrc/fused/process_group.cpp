@@ -1,0 +1,95 @@
+#include "process_group.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/debug.h>
+
+#include <sstream>
+#include <string>
+
+namespace fastmesh {
+namespace fused {
+
+Group resolve_group(c10::string_view group_name, const char* op) {
+  const std::string name(group_name);
+  try {
+    return c10d::resolve_process_group(name);
+  } catch (const c10::Error&) {
+    TORCH_CHECK_VALUE(false, op, ": group_name ", '"', name, '"',
+                      " names no registered process group (pass fastmesh.group_name(group) of a live group)");
+  }
+}
+
+// torch 2.14 renames _allgather_base / _reduce_scatter_base to all_gather_single / reduce_scatter_single
+// and deprecates the old names; 2.11 has only the old ones. Both reach the same dispatcher ops.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+Work start_all_gather(const Group& group, at::Tensor& output, at::Tensor& input) {
+  c10d::AllgatherOptions options;
+  options.asyncOp = true;
+  return group->_allgather_base(output, input, options);
+}
+
+Work start_reduce_scatter_sum(const Group& group, at::Tensor& output, at::Tensor& input) {
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  options.asyncOp = true;
+  return group->_reduce_scatter_base(output, input, options);
+}
+#pragma GCC diagnostic pop
+
+namespace {
+
+// A fixed-size fingerprint so that the check itself cannot mismatch: [ndim, dtype, sizes..., fold].
+constexpr int64_t kShapeSlots = 10;
+
+std::string describe(const int64_t* slots) {
+  std::ostringstream out;
+  const int64_t ndim = slots[0];
+  out << "shape [";
+  for (int64_t i = 0; i < std::min(ndim, kShapeSlots - 3); ++i) out << (i ? ", " : "") << slots[2 + i];
+  if (ndim > kShapeSlots - 3) out << ", ...";
+  out << "] " << c10::toString(static_cast<c10::ScalarType>(slots[1]));
+  return out.str();
+}
+
+}  // namespace
+
+void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor, const char* op, const char* arg) {
+  const int64_t world = group->getSize();
+  if (world == 1) return;
+  const bool on_cpu = tensor.device().is_cpu();
+  if (!on_cpu && c10d::debug_level() != c10d::DebugLevel::Detail) return;
+
+  at::Tensor mine = at::zeros({kShapeSlots}, at::kLong);
+  int64_t* slots = mine.mutable_data_ptr<int64_t>();
+  slots[0] = tensor.dim();
+  slots[1] = static_cast<int64_t>(tensor.scalar_type());
+  uint64_t fold = 0;  // dims past the slots, hashed (FNV-1a): still detects a mismatch there
+  for (int64_t i = 0; i < tensor.dim(); ++i) {
+    if (i < kShapeSlots - 3) {
+      slots[2 + i] = tensor.size(i);
+    } else {
+      fold = (fold ^ static_cast<uint64_t>(tensor.size(i))) * 1099511628211ull;
+    }
+  }
+  slots[kShapeSlots - 1] = static_cast<int64_t>(fold);
+
+  at::Tensor send = on_cpu ? mine : mine.to(tensor.device());
+  at::Tensor all = at::empty({world * kShapeSlots}, send.options());
+  start_all_gather(group, all, send)->wait();
+  const at::Tensor gathered = all.cpu();
+  const int64_t* theirs = gathered.const_data_ptr<int64_t>();
+  bool same = true;
+  for (int64_t i = 0; i < world * kShapeSlots; ++i) same = same && theirs[i] == slots[i % kShapeSlots];
+  if (same) return;
+  std::ostringstream ranks;
+  for (int64_t r = 0; r < world; ++r) ranks << "\n  rank " << r << ": " << describe(theirs + r * kShapeSlots);
+  TORCH_CHECK_VALUE(false, op, ": ", arg, " must have the same shape and dtype on every rank of the group, got:",
+                    ranks.str());
+}
+
+}  // namespace fused
+}  // namespace fastmesh

@@ -1,0 +1,33 @@
+// What the fused collectives need from c10d: a group resolved by name, the two collectives they pipeline
+// (with one spelling across torch 2.11-2.14), and a cheap cross-rank check of the communicated shape.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace fastmesh {
+namespace fused {
+
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+using Work = c10::intrusive_ptr<c10d::Work>;
+
+// The group registered under `group_name`, or an error naming the op and the name.
+Group resolve_group(c10::string_view group_name, const char* op);
+
+// Asynchronous all-gather of `input` into `output` (`world` copies of input's shape, rank-major).
+Work start_all_gather(const Group& group, at::Tensor& output, at::Tensor& input);
+
+// Asynchronous sum reduce-scatter of `input` (`world` blocks of output's shape, rank-major) into `output`.
+Work start_reduce_scatter_sum(const Group& group, at::Tensor& output, at::Tensor& input);
+
+// Errors on every rank, naming the op, the argument and each rank's shape, unless `tensor` has the same
+// shape and dtype on every rank of `group`. A transfer of mismatched sizes is not an error gloo reports:
+// it aborts the receiving process (an uncatchable C++ exception on its I/O thread) and hands the sender
+// garbage. So on CPU this check always runs (one all-gather of a few integers, tens of microseconds on
+// gloo). On other devices it would cost a device-to-host sync per call, so it runs only with
+// TORCH_DISTRIBUTED_DEBUG=DETAIL and equal shapes are otherwise the caller's duty.
+void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor, const char* op, const char* arg);
+
+}  // namespace fused
+}  // namespace fastmesh

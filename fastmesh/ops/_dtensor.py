@@ -1,0 +1,113 @@
+"""DTensor in, DTensor out for the fused-collective fronts: placements checked, local tensors through the op.
+
+==========================  ======================================  ===================================
+front                       inputs (1-D mesh = the group)            outputs
+==========================  ======================================  ===================================
+all_gather_matmul           a_shard ``Shard(gather_dim)``;           a: ``Replicate()``;
+                            each b plain, ``Replicate()`` or         a @ b: ``Replicate()``, or
+                            ``Shard(1)`` (column-sharded)            ``Shard(-1)`` for a ``Shard(1)`` b
+matmul_reduce_scatter       a ``Shard(-1)`` (contraction sharded);   ``Shard(scatter_dim)``
+                            b plain (local rows) or ``Shard(0)``
+==========================  ======================================  ===================================
+
+``to_local`` / ``from_local`` are differentiable, so gradients flow back to the DTensor inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fastmesh.ops._checks import wrap_dim
+
+
+def is_dtensor(t) -> bool:
+    return isinstance(t, DTensor)
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _wrap(local: torch.Tensor, mesh, placement, shape) -> DTensor:
+    return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_strides(shape))
+
+
+def _mesh_of(t: DTensor, op: str, arg: str):
+    mesh = t.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"{op}: {arg} must be a DTensor on a 1-D mesh (the TP group), got a {mesh.ndim}-D mesh; "
+                         "pass the TP axis's local tensor or a DTensor on mesh['tp']")
+    return mesh
+
+
+def _check_group(group, mesh, op: str) -> None:
+    if group is None:
+        return
+    from fastmesh.mesh import group_name
+
+    if group_name(group) != group_name(mesh):
+        raise ValueError(f"{op}: group names a different group than the DTensor's mesh {mesh}; pass group=None")
+
+
+def _local_b(b, mesh, op: str, arg: str, allowed: tuple, hint: str):
+    """A b operand's local tensor and its placement (None for a plain tensor)."""
+    if not is_dtensor(b):
+        return b, None
+    if b.device_mesh != mesh:
+        raise ValueError(f"{op}: {arg} must be on the same mesh as the DTensor input, got {b.device_mesh}")
+    placement = b.placements[0]
+    if placement not in allowed:
+        raise ValueError(f"{op}: {arg} must be placed {hint}, got {placement}")
+    return b.to_local(), placement
+
+
+def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, chunks):
+    op = "fastmesh.all_gather_matmul"
+    if not is_dtensor(a_shard):
+        raise TypeError(f"{op}: bs are DTensors, so a_shard must be a DTensor placed Shard(gather_dim) too, "
+                        f"got a {type(a_shard).__name__}")
+    mesh = _mesh_of(a_shard, op, "a_shard")
+    _check_group(group, mesh, op)
+    dim = wrap_dim(gather_dim, a_shard.dim(), op, "gather_dim", "a_shard")
+    if a_shard.placements[0] != Shard(dim):
+        raise ValueError(f"{op}: a_shard must be placed Shard({gather_dim}) (sharded along gather_dim), "
+                         f"got {a_shard.placements[0]}")
+    contraction = dim == a_shard.dim() - 1
+    locals_, placements = [], []
+    for i, b in enumerate(bs):
+        allowed = (Replicate(),) if contraction else (Replicate(), Shard(1))
+        local, placement = _local_b(b, mesh, op, f"bs[{i}]", allowed,
+                                    "Replicate()" if contraction else "Replicate() or Shard(1)")
+        locals_.append(local)
+        placements.append(placement)
+    a_local, outs = front(a_shard.to_local(), locals_, dim, group=mesh, return_a=return_a, chunks=chunks)
+    full_shape = list(a_shard.shape)
+    out_dtensors = []
+    for b, local, out, placement in zip(bs, locals_, outs, placements):
+        n = b.shape[1] if is_dtensor(b) else local.shape[1]
+        out_placement = Shard(out.dim() - 1) if placement == Shard(1) else Replicate()
+        out_dtensors.append(_wrap(out, mesh, out_placement, full_shape[:-1] + [n]))
+    a_full = _wrap(a_local, mesh, Replicate(), full_shape) if a_local is not None else None
+    return a_full, out_dtensors
+
+
+def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, chunks):
+    op = "fastmesh.matmul_reduce_scatter"
+    if not is_dtensor(a):
+        raise TypeError(f"{op}: b is a DTensor, so a must be a DTensor placed Shard(-1) too, got a {type(a).__name__}")
+    mesh = _mesh_of(a, op, "a")
+    _check_group(group, mesh, op)
+    if a.placements[0] != Shard(a.dim() - 1):
+        raise ValueError(f"{op}: a must be placed Shard({a.dim() - 1}) (its contraction dim sharded, as a "
+                         f"row-parallel layer's input), got {a.placements[0]}")
+    b_local, _ = _local_b(b, mesh, op, "b", (Shard(0),), "Shard(0) (rows matching a's shards)")
+    out = front(a.to_local(), b_local, scatter_dim, group=mesh, reduce_op=reduce_op, chunks=chunks)
+    dim = wrap_dim(scatter_dim, a.dim(), op, "scatter_dim", "a")
+    n = b.shape[1] if is_dtensor(b) else b_local.shape[1]
+    return _wrap(out, mesh, Shard(dim), list(a.shape[:-1]) + [n])

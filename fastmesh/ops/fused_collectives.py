@@ -1,0 +1,379 @@
+"""Fused all-gather + matmul and matmul + reduce-scatter: ``fastmesh::all_gather_matmul`` and
+``fastmesh::matmul_reduce_scatter``.
+
+In sequence-parallel TP a column-parallel linear starts with an all-gather of its input and a row-parallel
+linear ends with a reduce-scatter of its output. These ops cut the communicated tensor into pieces and
+overlap the transfer of one piece with the multiply of another (schedule: ``csrc/include/fastmesh/pipeline.h``),
+on every backend c10d has: gloo on CPU, NCCL on CUDA. The local shard is multiplied while the first
+pieces travel.
+
+Plain-PyTorch equivalents (``group`` the process group named by ``group_name``, ``W`` its size)::
+
+    # all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a)
+    a = torch.cat(all_gather(a_shard, group), dim=gather_dim)          # every rank's shard, in rank order
+    result = (a if return_a else None, [a @ b for b in bs])
+
+    # matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name)
+    c = a @ b
+    blocks = c.chunk(W, dim=scatter_dim)                                # block j goes to rank j
+    result = sum over ranks of blocks[rank]  (divided by W for "avg")
+
+Shapes (``W`` the group size; ``...`` any leading dims; ``d`` = gather_dim / scatter_dim):
+
+=========================  ==================================  ======================================
+op / argument              shape                               note
+=========================  ==================================  ======================================
+all_gather_matmul
+  a_shard                  ``[..., S, ..., K]``                S at dim d; the same shape on every rank
+  bs[i]                    ``[K, N_i]``                        ``[W*K, N_i]`` when d is the last dim
+  a (return_a=True)        ``[..., W*S, ..., K]``              ``[..., W*K]`` when d is the last dim
+  result[1][i]             ``[..., W*S, ..., N_i]``            ``[..., N_i]`` when d is the last dim
+matmul_reduce_scatter
+  a                        ``[..., S, ..., K]``                S divisible by W
+  b                        ``[K, N]``
+  result                   ``[..., S/W, ..., N]``              ``[..., N/W]`` when d is the last dim
+=========================  ==================================  ======================================
+
+Gathering the last dim splits the contraction: ``a @ b = sum_j a_shard_j @ b[rows of rank j]``, summed in
+rank order on every rank, so the replicated result is bitwise identical across ranks (bf16/fp16 partial
+products are summed in fp32). Scattering the last dim gives rank ``j`` the columns ``j*N/W:(j+1)*N/W``.
+
+Autograd (each op's backward is the other op; ``G_i`` the gradient of output i)::
+
+    all_gather_matmul:      grad a_shard = matmul_reduce_scatter(cat(G_i, -1), cat(bs, 1).T, d, "sum")
+                            grad b_i     = a.flatten(0, -2).T @ G_i.flatten(0, -2)
+    matmul_reduce_scatter:  grad_c, [grad a] = all_gather_matmul(G (/W for avg), [b.T], d, return_a=True)
+                            grad b       = a.flatten(0, -2).T @ grad_c.flatten(0, -2)
+
+so a forward and its backward issue one gather and one reduce-scatter each, whatever the number of ``bs``.
+The backward of ``all_gather_matmul`` needs the gathered ``a`` for the gradients of ``bs``: the Python front
+asks the op for it when some ``b`` requires grad (and returns ``None`` if you did not ask for it); a
+direct ``torch.ops.fastmesh.all_gather_matmul(..., return_a=False)`` call gathers again in backward. When
+the gathered ``a`` returned by the op has a gradient of its own, the backward adds it before one plain
+reduce-scatter.
+
+Every rank must pass the same shapes. On CPU the ops check it (one small all-gather) because gloo aborts
+the process on a size mismatch; on CUDA that check would cost a device sync per call, so there it runs
+only with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from fastmesh import _cpp_lib
+from fastmesh.kernels.fused_reference import all_gather, reduce_scatter
+from fastmesh.mesh import group_name as _group_name_of
+from fastmesh.ops import _dtensor
+from fastmesh.ops._checks import wrap_dim
+from fastmesh.ops._library import qualified_name
+
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+REDUCE_OPS = ("sum", "avg")
+
+_AG = "fastmesh::all_gather_matmul"
+_RS = "fastmesh::matmul_reduce_scatter"
+
+
+# ---- checks (the wording of csrc/fused/checks.h) ----
+
+def _check_operand(t, op: str, arg: str, min_dim: int, max_dim: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in MATMUL_DTYPES:
+        raise TypeError(f"{op}: {arg} must be float32, bfloat16, float16 or float64, got {t.dtype}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{op}: {arg} must be a dense (strided) tensor, got {t.layout}")
+    if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
+        wanted = f"{min_dim}" if min_dim == max_dim else f"at least {min_dim}"
+        raise ValueError(f"{op}: {arg} must have {wanted} dim(s), got shape {list(t.shape)}")
+
+
+def _check_like(t: torch.Tensor, reference: torch.Tensor, op: str, arg: str, reference_arg: str) -> None:
+    if t.dtype != reference.dtype:
+        raise TypeError(f"{op}: {arg} must have {reference_arg}'s dtype {reference.dtype}, got {t.dtype}")
+    if t.device != reference.device:
+        raise ValueError(f"{op}: {arg} must be on {reference_arg}'s device {reference.device}, got {t.device}")
+
+
+def _check_chunks(chunks, op: str) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
+        raise ValueError(f"{op}: chunks must be an int >= 0 (0 picks the count from the shapes), got {chunks!r}")
+
+
+def _group_size(group_name: str, op: str) -> int:
+    try:
+        return _resolve_process_group(group_name).size()
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(
+            f'{op}: group_name "{group_name}" names no registered process group '
+            "(pass fastmesh.group_name(group) of a live group)"
+        ) from error
+
+
+def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, chunks) -> int:
+    """Checks every argument; returns gather_dim made non-negative."""
+    _check_operand(a_shard, _AG, "a_shard", 1)
+    dim = wrap_dim(gather_dim, a_shard.dim(), _AG, "gather_dim", "a_shard")
+    _check_chunks(chunks, _AG)
+    if isinstance(bs, torch.Tensor) or not isinstance(bs, (list, tuple)):
+        raise TypeError(f"{_AG}: bs must be a list of matrices, got {type(bs).__name__}")
+    if not bs:
+        raise ValueError(f"{_AG}: bs must hold at least one matrix, got an empty list")
+    contraction = dim == a_shard.dim() - 1
+    k_full = a_shard.shape[-1] * world if contraction else a_shard.shape[-1]
+    for i, b in enumerate(bs):
+        _check_operand(b, _AG, f"bs[{i}]", 2, 2)
+        _check_like(b, a_shard, _AG, f"bs[{i}]", "a_shard")
+        if b.shape[0] != k_full:
+            where = (f"the gathered a: a_shard's last dim times the group size {world}" if contraction else "a_shard")
+            raise ValueError(f"{_AG}: bs[{i}] must have {k_full} rows (the last dim of {where}), got shape {list(b.shape)}")
+    return dim
+
+
+def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, chunks) -> int:
+    """Checks every argument; returns scatter_dim made non-negative."""
+    _check_operand(a, _RS, "a", 1)
+    _check_operand(b, _RS, "b", 2, 2)
+    _check_like(b, a, _RS, "b", "a")
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{_RS}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
+    dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f'{_RS}: reduce_op must be "sum" or "avg", got {reduce_op!r}')
+    _check_chunks(chunks, _RS)
+    scattered = b.shape[1] if dim == a.dim() - 1 else a.shape[dim]
+    if scattered % world != 0:
+        raise ValueError(f"{_RS}: the scattered dim {scatter_dim} of a @ b has size {scattered}, which is not "
+                         f"divisible by the group size {world}")
+    return dim
+
+
+# ---- fake impls ----
+
+def _gathered_shape(shape, dim: int, world: int) -> list:
+    full = list(shape)
+    full[dim] = full[dim] * world
+    return full
+
+
+@torch.library.register_fake(qualified_name("all_gather_matmul"))
+def _all_gather_matmul_fake(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0):
+    world = _group_size(group_name, _AG)
+    dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, chunks)
+    full = _gathered_shape(a_shard.shape, dim, world)
+    outs = [a_shard.new_empty(full[:-1] + [b.shape[1]]) for b in bs]
+    return (a_shard.new_empty(full) if return_a else None), outs
+
+
+@torch.library.register_fake(qualified_name("matmul_reduce_scatter"))
+def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, chunks=0):
+    world = _group_size(group_name, _RS)
+    dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, chunks)
+    shape = list(a.shape[:-1]) + [b.shape[1]]
+    shape[dim] = shape[dim] // world
+    return a.new_empty(shape)
+
+
+# ---- autograd ----
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix: leading dims flattened."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _all_gather_matmul_setup(ctx, inputs, output):
+    a_shard, bs, gather_dim, group_name, _return_a, chunks = inputs
+    a_full, _ = output
+    # Unused outputs (typically the gathered a, returned only for this backward) get no gradient rather
+    # than zeros: no dead reduce-scatter term.
+    ctx.set_materialize_grads(False)
+    ctx.gather_dim = gather_dim % a_shard.dim()
+    ctx.group_name = group_name
+    ctx.chunks = chunks
+    ctx.shard_shape = a_shard.shape
+    ctx.num_bs = len(bs)
+    ctx.bs_need_grad = any(b.requires_grad for b in bs)
+    # For the bs' gradients: the gathered a, or the shard to gather again in backward when the op was
+    # called without return_a. For a_shard's: the bs.
+    ctx.a_is_gathered = a_full is not None
+    a_saved = (a_full if ctx.a_is_gathered else a_shard) if ctx.bs_need_grad else None
+    ctx.save_for_backward(a_saved, *(bs if a_shard.requires_grad else ()))
+
+
+def _all_gather_matmul_backward(ctx, grad_a_full, grad_outs):
+    a_saved, *bs = ctx.saved_tensors
+    grads = [(g, i) for i, g in enumerate(grad_outs) if g is not None]
+    grad_a_shard = None
+    if ctx.needs_input_grad[0] and (grads or grad_a_full is not None):
+        grad_a_shard = _all_gather_matmul_input_grad(ctx, bs, grads, grad_a_full)
+    grad_bs = [None] * ctx.num_bs  # a list input takes a list of gradients
+    if ctx.bs_need_grad:
+        a_full = a_saved if ctx.a_is_gathered else all_gather(a_saved.detach(), ctx.gather_dim, ctx.group_name)
+        for g, i in grads:
+            grad_bs[i] = _rows(a_full).t() @ _rows(g)
+    return grad_a_shard, grad_bs, None, None, None, None
+
+
+def _all_gather_matmul_input_grad(ctx, bs, grads, grad_a_full):
+    if grad_a_full is not None:
+        # The gathered a has a gradient of its own: add the matmul terms to it, then one reduce-scatter.
+        total = grad_a_full
+        for g, i in grads:
+            total = total + g @ bs[i].t()
+        return reduce_scatter(total.contiguous(), ctx.gather_dim, ctx.group_name)
+    if len(grads) == 1:
+        g, i = grads[0]
+        grad_c, b_t = g, bs[i].t()
+    else:
+        # One reduce-scatter for all bs: [G_1 .. G_n] @ [b_1 .. b_n].T == sum_i G_i @ b_i.T
+        grad_c = torch.cat([g for g, _ in grads], dim=-1)
+        b_t = torch.cat([bs[i] for _, i in grads], dim=1).t()
+    return torch.ops.fastmesh.matmul_reduce_scatter(grad_c, b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.chunks)
+
+
+def _matmul_reduce_scatter_setup(ctx, inputs, output):
+    a, b, scatter_dim, reduce_op, group_name, chunks = inputs
+    ctx.scatter_dim = scatter_dim % a.dim()
+    ctx.reduce_op = reduce_op
+    ctx.group_name = group_name
+    ctx.chunks = chunks
+    ctx.save_for_backward(a if b.requires_grad else None, b if a.requires_grad else None)
+
+
+def _matmul_reduce_scatter_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if ctx.reduce_op == "avg":
+        grad_out = grad_out / _resolve_process_group(ctx.group_name).size()
+    grad_a = grad_b = None
+    if need_a:
+        grad_c, (grad_a,) = torch.ops.fastmesh.all_gather_matmul(
+            grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.chunks
+        )
+    elif need_b:
+        grad_c = all_gather(grad_out.contiguous(), ctx.scatter_dim, ctx.group_name)
+    if need_b:
+        grad_b = _rows(a).t() @ _rows(grad_c)
+    return grad_a, grad_b, None, None, None, None
+
+
+torch.library.register_autograd(
+    qualified_name("all_gather_matmul"), _all_gather_matmul_backward, setup_context=_all_gather_matmul_setup
+)
+torch.library.register_autograd(
+    qualified_name("matmul_reduce_scatter"), _matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_setup
+)
+
+
+# ---- Python fronts ----
+
+def all_gather_matmul(
+    a_shard: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    gather_dim: int,
+    *,
+    group=None,
+    return_a: bool = False,
+    chunks: Optional[int] = None,
+) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+    """All-gather ``a_shard`` along ``gather_dim`` and multiply the result by each ``b``, overlapped.
+
+    Equivalent to (see the module docstring for shapes and autograd)::
+
+        a = torch.cat(all_gather(a_shard, group), dim=gather_dim)
+        return (a if return_a else None), [a @ b for b in bs]
+
+    with one gather for all ``bs`` (e.g. the Q, K and V projections of one input).
+
+    Args:
+        a_shard: this rank's shard, float32 / bfloat16 / float16 / float64, at least 1-D; the same shape
+            on every rank. A ``DTensor`` placed ``Shard(gather_dim)`` on a 1-D mesh gives DTensor results
+            (the mesh is the group).
+        bs: matrices ``[K, N_i]`` (``[W*K, N_i]`` when gathering the last dim), a's dtype and device;
+            plain tensors or DTensors on the same mesh (``Replicate()``, or ``Shard(1)`` for a
+            column-sharded weight: that output is then ``Shard(-1)``).
+        gather_dim: the dim of ``a_shard`` to gather; any dim, negative counts from the end. The last dim
+            splits the contraction instead of the rows.
+        group: ``ProcessGroup``, 1-D ``DeviceMesh``, ``(mesh, axis_name)``, group name, or ``None`` for the
+            default group.
+        return_a: also return the gathered ``a``.
+        chunks: pipeline pieces per rank (``None``: chosen from the shapes; 1: no overlap beyond the local
+            shard's multiply).
+
+    Returns:
+        ``(a or None, [a @ b for b in bs])``.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> mesh = fastmesh.init_mesh(tp=2)
+        >>> x = torch.randn(4, 8)                       # this rank's 4 rows of an [8, 8] activation
+        >>> a, (q, k) = fastmesh.all_gather_matmul(x, [wq, wk], gather_dim=0, group=mesh["tp"], return_a=True)
+        >>> a.shape, q.shape
+        (torch.Size([8, 8]), torch.Size([8, wq.shape[1]]))
+    """
+    if _dtensor.is_dtensor(a_shard) or any(_dtensor.is_dtensor(b) for b in bs):
+        return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, chunks)
+    name = _group_name_of(group)
+    chunks = 0 if chunks is None else chunks
+    bs = list(bs)
+    if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
+        _check_all_gather_matmul(a_shard, bs, gather_dim, _group_size(name, _AG), chunks)
+    _cpp_lib.require()
+    # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
+    want_a = return_a or (torch.is_grad_enabled() and any(b.requires_grad for b in bs))
+    a_full, outs = torch.ops.fastmesh.all_gather_matmul(a_shard, bs, gather_dim, name, want_a, chunks)
+    return (a_full if return_a else None), list(outs)
+
+
+def matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scatter_dim: int,
+    *,
+    group=None,
+    reduce_op: str = "sum",
+    chunks: Optional[int] = None,
+) -> torch.Tensor:
+    """Multiply ``a @ b`` and reduce-scatter the product along ``scatter_dim``, overlapped.
+
+    Equivalent to (see the module docstring for shapes and autograd)::
+
+        c = a @ b
+        return reduce_scatter(c, scatter_dim, reduce_op, group)   # rank j: block j of c, summed over ranks
+
+    Args:
+        a: this rank's ``[..., K]`` operand (e.g. a row-parallel layer's column-sharded input), float32 /
+            bfloat16 / float16 / float64; the scattered dim of ``a @ b`` must divide by the group size.
+            A ``DTensor`` on a 1-D mesh placed ``Shard(-1)`` (with ``b`` plain or ``Shard(0)``) gives a
+            DTensor result placed ``Shard(scatter_dim)``.
+        b: ``[K, N]``, a's dtype and device.
+        scatter_dim: the dim of ``a @ b`` to scatter; negative counts from the end; the last dim scatters
+            the columns.
+        group: as for :func:`all_gather_matmul`.
+        reduce_op: ``"sum"`` or ``"avg"``.
+        chunks: pipeline pieces per rank (``None``: chosen from the shapes).
+
+    Returns:
+        This rank's block of the reduced product: ``a @ b``'s shape with ``scatter_dim`` divided by the
+        group size.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> y_shard = fastmesh.matmul_reduce_scatter(h, w2_t_shard, scatter_dim=0, group=mesh["tp"])
+    """
+    if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
+        return _dtensor.matmul_reduce_scatter(matmul_reduce_scatter, a, b, scatter_dim, group, reduce_op, chunks)
+    name = _group_name_of(group)
+    chunks = 0 if chunks is None else chunks
+    if not torch.compiler.is_compiling():
+        _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, _group_size(name, _RS), chunks)
+    _cpp_lib.require()
+    return torch.ops.fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, name, chunks)
+
+

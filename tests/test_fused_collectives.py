@@ -1,0 +1,308 @@
+"""fastmesh.all_gather_matmul / matmul_reduce_scatter against the unfused reference, on 2 and 4 gloo ranks.
+
+Exactness: with small-integer inputs every product and partial sum is an integer that fp32 (and, with
+|sums| <= 256, bf16) represents exactly, so fused and unfused must agree bit for bit whatever the
+summation order. With random inputs the summation order may differ (pieces, the split contraction), so
+the fused result's error against a float64 computation must stay within twice the unfused result's error
+(plus a few ulps at the result's scale), the same-precision baseline rule.
+
+Each rank function loops over many cases so that the pools' per-call overhead is paid once per test.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+
+import fastmesh
+from fastmesh.kernels import fused_reference as ref
+from rank_pool import on_ranks
+
+WORLD = "WORLD"  # placeholder: ranks resolve it to the default group's name
+
+
+def _world_name() -> str:
+    return dist.group.WORLD.group_name
+
+
+def small_ints(shape, dtype, seed, low=-2, high=3) -> torch.Tensor:
+    """The same tensor on every rank that uses the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, shape, generator=g).to(dtype)
+
+
+def randn(shape, dtype, seed) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def shard_shape(rows: int, k: int, gather_dim: int) -> list[int]:
+    """A 3-D shard [B, S, K]: `rows` entries at the gathered dim (at S when the last dim is gathered, whose
+    size is then k); B = 2 so that dims 0 and 1 differ."""
+    shape = [2, 5, k]
+    shape[min(gather_dim, 1)] = rows
+    return shape
+
+
+# (shard rows, K) with K the contraction for rows gathers; odd sizes beside round ones.
+ROW_CASES = [(1, 7), (3, 42), (127, 33), (16, 64)]
+
+
+def _gather_cases(world):
+    for (rows, k), gather_dim, nbs, return_a, chunks in itertools.product(
+        ROW_CASES, (0, 1, 2, -1), (1, 2, 3), (False, True), (0, 3)
+    ):
+        if gather_dim in (2, -1):
+            k = max(1, k // world) if rows != 127 else 11  # contraction split: each rank holds K/W columns
+        yield rows, k, gather_dim, nbs, return_a, chunks
+
+
+def _check_gather_case(rank, world, dtype, make, rows, k, gather_dim, nbs, return_a, chunks, exact):
+    shape = shard_shape(rows, k, gather_dim % 3)
+    a_shard = make(shape, dtype, seed=100 + rank)
+    k_full = k * world if gather_dim % 3 == 2 else k
+    bs = [make((k_full, 5 + 4 * i), dtype, seed=7 + i) for i in range(nbs)]
+    got_a, got = fastmesh.all_gather_matmul(a_shard, bs, gather_dim, return_a=return_a, chunks=chunks or None)
+    want_a, want = ref.all_gather_matmul(a_shard, bs, gather_dim, _world_name(), return_a=return_a)
+    case = f"shard {shape}, gather_dim {gather_dim}, {nbs} bs, return_a {return_a}, chunks {chunks}"
+    assert (got_a is None) == (not return_a), case
+    if return_a:
+        assert torch.equal(got_a, want_a), case
+    assert len(got) == nbs
+    for g, w, b in zip(got, want, bs):
+        assert g.shape == w.shape and g.dtype == w.dtype, case
+        if exact:
+            assert torch.equal(g, w), f"{case}: max diff {(g.float() - w.float()).abs().max()}"
+        else:
+            exact64 = ref.all_gather_matmul(a_shard.double(), [b.double()], gather_dim, _world_name())[1][0]
+            assert_within_baseline(g, w, exact64, case)
+
+
+def assert_within_baseline(got, baseline, exact64, case):
+    err = (got.double() - exact64).abs().max().item()
+    base = (baseline.double() - exact64).abs().max().item()
+    ulp = torch.finfo(got.dtype).eps * exact64.abs().max().item()
+    assert err <= 2 * base + 4 * ulp, f"{case}: error {err:.3g} vs unfused {base:.3g} (ulp at scale {ulp:.3g})"
+
+
+@on_ranks(2, 4)
+def test_all_gather_matmul_small_integers_bit_exact(world_size):
+    rank = dist.get_rank()
+    for dtype in (torch.float32, torch.bfloat16):
+        for case in _gather_cases(world_size):
+            # |values| <= 1 keeps every partial sum within bf16's exact integers (K_full <= 168 here).
+            _check_gather_case(rank, world_size, dtype, lambda s, d, seed: small_ints(s, d, seed, -1, 2), *case, exact=True)
+
+
+@on_ranks(2, 4)
+def test_all_gather_matmul_random_within_baseline_error(world_size):
+    rank = dist.get_rank()
+    for dtype in (torch.float32, torch.bfloat16):
+        for case in _gather_cases(world_size):
+            if case[3] == 1 and case[4] is False:  # one b, no a: the rest of the grid covers the numerics
+                _check_gather_case(rank, world_size, dtype, randn, *case, exact=False)
+
+
+@on_ranks(2)
+def test_all_gather_matmul_large_shard():
+    """1000 rows per rank, K and N not multiples of 8, several automatic pieces."""
+    rank = dist.get_rank()
+    a_shard = small_ints((1000, 300), torch.float32, seed=rank)
+    bs = [small_ints((300, 93), torch.float32, seed=9)]
+    a, (out,) = fastmesh.all_gather_matmul(a_shard, bs, 0, return_a=True)
+    want_a, (want,) = ref.all_gather_matmul(a_shard, bs, 0, _world_name(), return_a=True)
+    assert torch.equal(a, want_a) and torch.equal(out, want)
+
+
+def _scatter_cases(world):
+    for (rows, k), scatter_dim, reduce_op, chunks in itertools.product(
+        ROW_CASES, (0, 1, 2, -1), ("sum", "avg"), (0, 3)
+    ):
+        yield rows, k, scatter_dim, reduce_op, chunks
+
+
+def _check_scatter_case(rank, world, dtype, make, rows, k, scatter_dim, reduce_op, chunks, exact):
+    shape = [2, 5, k]
+    n = 6 * world
+    if scatter_dim % 3 != 2:
+        shape[scatter_dim % 3] = rows * world
+    a = make(shape, dtype, seed=200 + rank)
+    b = make((k, n), dtype, seed=300 + rank)
+    got = fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op=reduce_op, chunks=chunks or None)
+    want = ref.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, _world_name())
+    case = f"a {shape}, b {[k, n]}, scatter_dim {scatter_dim}, {reduce_op}, chunks {chunks}"
+    assert got.shape == want.shape and got.dtype == want.dtype, case
+    if exact:
+        assert torch.equal(got, want), f"{case}: max diff {(got.float() - want.float()).abs().max()}"
+    else:
+        exact64 = ref.matmul_reduce_scatter(a.double(), b.double(), scatter_dim, reduce_op, _world_name())
+        assert_within_baseline(got, want, exact64, case)
+
+
+@on_ranks(2, 4)
+def test_matmul_reduce_scatter_small_integers_bit_exact(world_size):
+    rank = dist.get_rank()
+    for dtype in (torch.float32, torch.bfloat16):
+        for case in _scatter_cases(world_size):
+            # avg divides by the world size: exact for a power of two.
+            _check_scatter_case(rank, world_size, dtype, lambda s, d, seed: small_ints(s, d, seed, -1, 2), *case, exact=True)
+
+
+@on_ranks(2, 4)
+def test_matmul_reduce_scatter_random_within_baseline_error(world_size):
+    rank = dist.get_rank()
+    for dtype in (torch.float32, torch.bfloat16):
+        for case in _scatter_cases(world_size):
+            if case[3] == "sum":
+                _check_scatter_case(rank, world_size, dtype, randn, *case, exact=False)
+
+
+# ---- autograd ----
+
+def _grad_case_all_gather(rank, gather_dim, nbs, return_a, use_a, dtype=torch.float64):
+    """Gradients of the fused op and of the reference, from the same upstream gradients."""
+    shape = shard_shape(6, 8, gather_dim % 3)
+    world = dist.get_world_size()
+    k_full = 8 * world if gather_dim % 3 == 2 else 8
+    results = []
+    for fn in ("fused", "reference"):
+        a_shard = randn(shape, dtype, seed=10 + rank).requires_grad_()
+        bs = [randn((k_full, 3 + i), dtype, seed=20 + i).requires_grad_() for i in range(nbs)]
+        if fn == "fused":
+            a, outs = fastmesh.all_gather_matmul(a_shard, bs, gather_dim, return_a=return_a)
+        else:
+            a, outs = ref.all_gather_matmul(a_shard, bs, gather_dim, _world_name(), return_a=return_a)
+        loss = sum((o * randn(o.shape, dtype, seed=30 + i + rank)).sum() for i, o in enumerate(outs))
+        if use_a:
+            loss = loss + (a * randn(a.shape, dtype, seed=40 + rank)).sum()
+        loss.backward()
+        results.append([a_shard.grad] + [b.grad for b in bs])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, msg=lambda m: f"gather_dim {gather_dim}, {nbs} bs: {m}")
+
+
+@on_ranks(2, 4)
+def test_all_gather_matmul_gradients_match_reference():
+    rank = dist.get_rank()
+    for gather_dim, nbs in itertools.product((0, 1, -1), (1, 3)):
+        _grad_case_all_gather(rank, gather_dim, nbs, return_a=False, use_a=False)
+    for gather_dim in (0, 2):
+        _grad_case_all_gather(rank, gather_dim, 2, return_a=True, use_a=True)
+        _grad_case_all_gather(rank, gather_dim, 2, return_a=True, use_a=False)
+
+
+def _grad_case_reduce_scatter(rank, scatter_dim, reduce_op, a_grad=True, b_grad=True, dtype=torch.float64):
+    world = dist.get_world_size()
+    shape = [world, 3 * world, 7]
+    results = []
+    for fn in ("fused", "reference"):
+        a = randn(shape, dtype, seed=50 + rank).requires_grad_(a_grad)
+        b = randn((7, 2 * world), dtype, seed=60 + rank).requires_grad_(b_grad)
+        if fn == "fused":
+            out = fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op=reduce_op)
+        else:
+            out = ref.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, _world_name())
+        (out * randn(out.shape, dtype, seed=70 + rank)).sum().backward()
+        results.append([t.grad for t in (a, b)])
+    for got, want in zip(*results):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want)
+
+
+@on_ranks(2, 4)
+def test_matmul_reduce_scatter_gradients_match_reference():
+    rank = dist.get_rank()
+    for scatter_dim, reduce_op in itertools.product((0, 1, -1), ("sum", "avg")):
+        _grad_case_reduce_scatter(rank, scatter_dim, reduce_op)
+    _grad_case_reduce_scatter(rank, 1, "sum", a_grad=False)
+    _grad_case_reduce_scatter(rank, 1, "sum", b_grad=False)
+
+
+# ---- communication pattern ----
+
+def _collectives(fn) -> dict[str, int]:
+    """c10d collectives ``fn`` issues on this rank, by op name, as the profiler records them."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith(("c10d::", "_c10d_functional")):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+GATHER, SCATTER = "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"
+
+
+@on_ranks(2)
+def test_one_pipelined_gather_per_call_whatever_the_number_of_bs():
+    """A call issues the shape check (one small all-gather, CPU) plus one all-gather per pipeline piece: the
+    same for 1 or 3 bs. Its backward issues one pipelined reduce-scatter (plus its check) and no gather:
+    the gathered a was kept from the forward."""
+    a_shard = torch.randn(12, 16, requires_grad=True)
+    for nbs in (1, 3):
+        bs = [torch.randn(16, 4, requires_grad=True) for _ in range(nbs)]
+        result = {}
+        forward = _collectives(lambda: result.update(out=fastmesh.all_gather_matmul(a_shard, bs, 0, chunks=3)[1]))
+        assert forward == {GATHER: 1 + 3}, forward
+        backward = _collectives(lambda: sum(o.sum() for o in result["out"]).backward())
+        assert backward == {GATHER: 1, SCATTER: 3}, backward
+
+
+@on_ranks(2)
+def test_reduce_scatter_backward_is_one_pipelined_gather():
+    a = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(16, 6, requires_grad=True)
+    result = {}
+    forward = _collectives(lambda: result.update(out=fastmesh.matmul_reduce_scatter(a, b, 0, chunks=2)))
+    assert forward == {GATHER: 1, SCATTER: 2}, forward
+    backward = _collectives(lambda: result["out"].sum().backward())
+    assert backward == {GATHER: 1 + 2}, backward
+
+
+# ---- opcheck, compile ----
+
+@on_ranks(2)
+def test_opcheck():
+    name = _world_name()
+    a_shard = torch.randn(3, 5, 6)
+    bs = [torch.randn(6, 4), torch.randn(6, 2)]
+    for dim, return_a in ((0, True), (1, False), (2, True)):
+        b_rows = 12 if dim == 2 else 6
+        args = (a_shard, [torch.randn(b_rows, 4, requires_grad=True)], dim, name, return_a, 0)
+        torch.library.opcheck(torch.ops.fastmesh.all_gather_matmul, args)
+    torch.library.opcheck(torch.ops.fastmesh.all_gather_matmul, (a_shard.requires_grad_(), bs, 0, name, True, 2))
+    a = torch.randn(4, 6, 5, requires_grad=True)
+    for dim, op in ((0, "sum"), (1, "avg"), (2, "sum")):
+        torch.library.opcheck(torch.ops.fastmesh.matmul_reduce_scatter, (a, torch.randn(5, 8), dim, op, name, 0))
+
+
+def _tp_block(x_shard, w_q, w_k, w_o):
+    """Sequence-parallel attention-like block: gather x for two projections, reduce-scatter the output."""
+    _, (q, k) = fastmesh.all_gather_matmul(x_shard, [w_q, w_k], 1)
+    return fastmesh.matmul_reduce_scatter(torch.relu(q) * k, w_o, 1)
+
+
+@on_ranks(2)
+def test_compile_fullgraph_matches_eager():
+    rank = dist.get_rank()
+    torch._dynamo.reset()
+    for backend in ("aot_eager", "inductor"):
+        results = []
+        for compiled in (False, True):
+            x = randn((2, 5, 8), torch.float32, seed=rank).requires_grad_()
+            ws = [randn(s, torch.float32, seed=i).requires_grad_() for i, s in enumerate([(8, 6), (8, 6), (6, 8)])]
+            fn = torch.compile(_tp_block, fullgraph=True, backend=backend) if compiled else _tp_block
+            out = fn(x, *ws)
+            out.sum().backward()
+            results.append([out, x.grad, *(w.grad for w in ws)])
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, msg=lambda m: f"{backend}: {m}")
