@@ -306,3 +306,155 @@ def test_compile_fullgraph_matches_eager():
             results.append([out, x.grad, *(w.grad for w in ws)])
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, msg=lambda m: f"{backend}: {m}")
+
+
+# ---- world of one, DTensor ----
+
+@on_ranks(2)
+def test_group_of_one_is_a_plain_matmul():
+    rank = dist.get_rank()
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
+    mine = singles[rank]
+    a = randn((3, 4, 6), torch.float32, seed=rank)
+    b = randn((6, 5), torch.float32, seed=1)
+    for dim in (0, 1, 2):
+        got_a, (got,) = fastmesh.all_gather_matmul(a, [b], dim, group=mine, return_a=True)
+        assert torch.equal(got_a, a) and got_a.data_ptr() != a.data_ptr()
+        assert torch.equal(got, a @ b)
+        assert torch.equal(fastmesh.matmul_reduce_scatter(a, b, dim, group=mine, reduce_op="avg"), a @ b)
+
+
+def _tp_mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+
+
+@on_ranks(2, 4)
+def test_dtensor_inputs_give_dtensor_outputs():
+    mesh = _tp_mesh()
+    world = dist.get_world_size()
+    x = randn((2, 4 * world, 6), torch.float32, seed=0)          # the same global tensor on every rank
+    w_rep = randn((6, 5), torch.float32, seed=1)
+    w_col = randn((6, 3 * world), torch.float32, seed=2)
+    x_d = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+    w_col_d = distribute_tensor(w_col, mesh, [Shard(1)])
+    a, (y_rep, y_col) = fastmesh.all_gather_matmul(x_d, [w_rep, w_col_d], 1, return_a=True)
+    assert a.placements == (Replicate(),) and y_rep.placements == (Replicate(),)
+    assert y_col.placements == (Shard(2),) and y_col.shape == (2, 4 * world, 3 * world)
+    torch.testing.assert_close(a.full_tensor(), x)
+    torch.testing.assert_close(y_rep.full_tensor(), x @ w_rep)
+    torch.testing.assert_close(y_col.full_tensor(), x @ w_col)
+    (y_rep.to_local().sum() + y_col.to_local().sum()).backward()
+    assert isinstance(x_d.grad, DTensor) and x_d.grad.placements == (Shard(1),)
+
+    # Row-parallel: the contraction dim sharded, the product reduce-scattered along the sequence.
+    h = randn((2, 4 * world, 8 * world), torch.float32, seed=3)
+    w2 = randn((8 * world, 6), torch.float32, seed=4)
+    h_d = distribute_tensor(h, mesh, [Shard(2)])
+    w2_d = distribute_tensor(w2, mesh, [Shard(0)])
+    out = fastmesh.matmul_reduce_scatter(h_d, w2_d, 1)
+    assert out.placements == (Shard(1),) and out.shape == (2, 4 * world, 6)
+    torch.testing.assert_close(out.full_tensor(), h @ w2)
+
+
+@on_ranks(2)
+def test_dtensor_placement_errors():
+    mesh = _tp_mesh()
+    x = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)])
+    w = torch.randn(6, 5)
+    cases = [
+        (lambda: fastmesh.all_gather_matmul(x, [w], 1), ValueError, r"a_shard must be placed Shard\(1\)"),
+        (lambda: fastmesh.all_gather_matmul(x.to_local(), [distribute_tensor(w, mesh, [Replicate()])], 0),
+         TypeError, r"a_shard must be a DTensor placed Shard\(gather_dim\) too"),
+        (lambda: fastmesh.all_gather_matmul(x, [distribute_tensor(w, mesh, [Shard(0)])], 0),
+         ValueError, r"bs\[0\] must be placed Replicate\(\) or Shard\(1\), got Shard\(dim=0\)"),
+        (lambda: fastmesh.matmul_reduce_scatter(x, w, 0), ValueError, r"a must be placed Shard\(1\)"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+
+
+# ---- bad inputs: every rank raises, none hangs ----
+
+def _bad_all_gather_calls(world):
+    a = torch.randn(4, 6)
+    b = torch.randn(6, 5)
+    return [
+        (dict(a_shard=a, bs=[torch.randn(7, 5)], gather_dim=0), ValueError,
+         r"bs\[0\] must have 6 rows \(the last dim of a_shard\), got shape \[7, 5\]"),
+        (dict(a_shard=a, bs=[torch.randn(6, 5)], gather_dim=1), ValueError,
+         rf"bs\[0\] must have {6 * world} rows \(the last dim of the gathered a: a_shard's last dim times the group "
+         rf"size {world}\)"),
+        (dict(a_shard=a, bs=[b.double()], gather_dim=0), TypeError, r"bs\[0\] must have a_shard's dtype torch.float32"),
+        (dict(a_shard=a, bs=[b.to("meta")], gather_dim=0), ValueError, r"bs\[0\] must be on a_shard's device cpu"),
+        (dict(a_shard=a, bs=[b], gather_dim=2), ValueError, r"gather_dim must be in \[-2, 1\] for a_shard with 2 dim"),
+        (dict(a_shard=a, bs=[], gather_dim=0), ValueError, r"bs must hold at least one matrix"),
+        (dict(a_shard=a, bs=[b.view(6, 5, 1)], gather_dim=0), ValueError, r"bs\[0\] must have 2 dim\(s\)"),
+        (dict(a_shard=a.int(), bs=[b], gather_dim=0), TypeError, r"a_shard must be float32, bfloat16, float16"),
+        (dict(a_shard=a, bs=[b], gather_dim=0, chunks=-1), ValueError, r"chunks must be an int >= 0"),
+        (dict(a_shard=a, bs=[b], gather_dim=0, group="no-such-group"), ValueError,
+         r"no process group is registered under the name 'no-such-group'"),
+    ]
+
+
+def _bad_reduce_scatter_calls(world):
+    a = torch.randn(4 * world, 6)
+    b = torch.randn(6, 2 * world)
+    return [
+        (dict(a=a, b=torch.randn(5, 4), scatter_dim=0), ValueError, r"b must have 6 rows \(a's last dim\)"),
+        (dict(a=torch.randn(3, 6), b=b, scatter_dim=0), ValueError,
+         rf"the scattered dim 0 of a @ b has size 3, which is not divisible by the group size {world}"),
+        (dict(a=a, b=torch.randn(6, 3), scatter_dim=-1), ValueError,
+         rf"the scattered dim -1 of a @ b has size 3, which is not divisible by the group size {world}"),
+        (dict(a=a, b=b, scatter_dim=0, reduce_op="max"), ValueError, r'reduce_op must be "sum" or "avg", got "max"'),
+        (dict(a=a, b=b.half(), scatter_dim=0), TypeError, r"b must have a's dtype torch.float32, got torch.float16"),
+        (dict(a=a, b=b, scatter_dim=-3), ValueError, r"scatter_dim must be in \[-2, 1\] for a with 2 dim"),
+    ]
+
+
+@on_ranks(2, 4)
+def test_bad_inputs_raise_on_every_rank(world_size):
+    for kwargs, error, match in _bad_all_gather_calls(world_size):
+        with pytest.raises(error, match=match):
+            fastmesh.all_gather_matmul(**kwargs)
+    for kwargs, error, match in _bad_reduce_scatter_calls(world_size):
+        with pytest.raises(error, match=match):
+            fastmesh.matmul_reduce_scatter(**kwargs)
+
+
+@on_ranks(2)
+def test_kernel_checks_bypassing_python(world_size):
+    """The C++ kernels check the same things (for callers of torch.ops.fastmesh.* with real tensors)."""
+    name = _world_name()
+    for kwargs, error, match in _bad_all_gather_calls(world_size):
+        if "group" in kwargs or kwargs["a_shard"].dtype != torch.float32 or any(b.is_meta for b in kwargs["bs"]):
+            continue  # resolved or rejected before the kernel
+        args = (kwargs["a_shard"], kwargs["bs"], kwargs["gather_dim"], name, False, kwargs.get("chunks", 0))
+        with pytest.raises(error, match=match):
+            _call_cpu_kernel("all_gather_matmul", *args)
+    for kwargs, error, match in _bad_reduce_scatter_calls(world_size):
+        args = (kwargs["a"], kwargs["b"], kwargs["scatter_dim"], kwargs.get("reduce_op", "sum"), name, 0)
+        with pytest.raises(error, match=match):
+            _call_cpu_kernel("matmul_reduce_scatter", *args)
+
+
+def _call_cpu_kernel(op, *args):
+    """Call the registered CPU kernel directly, skipping the fake/autograd layers and the Python checks."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return getattr(torch.ops.fastmesh, op).default.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args)
+
+
+@on_ranks(2, 4)
+def test_shard_shapes_that_differ_across_ranks_raise_on_every_rank():
+    rank = dist.get_rank()
+    a = torch.randn(3 + rank, 4)  # gloo would abort the receiving process on such a transfer
+    with pytest.raises(ValueError, match=r"a_shard must have the same shape and dtype on every rank of the group, "
+                                         r"got:\n  rank 0: shape \[3, 4\] torch.float32\n  rank 1: shape \[4, 4\] torch.float32"):
+        fastmesh.all_gather_matmul(a, [torch.randn(4, 2)], 0)
+    b = torch.randn(4, 2 * (1 + rank))
+    with pytest.raises(ValueError, match=r"a @ b must have the same shape and dtype on every rank"):
+        fastmesh.matmul_reduce_scatter(torch.randn(8, 4), b, 0)
+    # The group is still usable afterwards.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()

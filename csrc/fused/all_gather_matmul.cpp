@@ -166,8 +166,8 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
     const std::string arg = "bs[" + std::to_string(i) + "]";
     check_matmul_operand(bs[i], kOp, arg, 2, 2);
     check_like(bs[i], a_shard, kOp, arg, "a_shard");
-    TORCH_CHECK_VALUE(bs[i].size(0) == k_full, kOp, ": ", arg, " must have ", k_full, " rows (the last dim of the ",
-                      contraction ? "gathered a: a_shard's last dim times the group size " + std::to_string(world)
+    TORCH_CHECK_VALUE(bs[i].size(0) == k_full, kOp, ": ", arg, " must have ", k_full, " rows (the last dim of ",
+                      contraction ? "the gathered a: a_shard's last dim times the group size " + std::to_string(world)
                                   : std::string("a_shard"),
                       "), got shape ", bs[i].sizes());
   }

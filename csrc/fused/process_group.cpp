@@ -1,5 +1,7 @@
 #include "process_group.h"
 
+#include "fastmesh/checks.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -51,7 +53,7 @@ std::string describe(const int64_t* slots) {
   out << "shape [";
   for (int64_t i = 0; i < std::min(ndim, kShapeSlots - 3); ++i) out << (i ? ", " : "") << slots[2 + i];
   if (ndim > kShapeSlots - 3) out << ", ...";
-  out << "] " << c10::toString(static_cast<c10::ScalarType>(slots[1]));
+  out << "] " << torch_dtype_name(static_cast<c10::ScalarType>(slots[1]));
   return out.str();
 }
 

@@ -63,7 +63,7 @@ def _local_b(b, mesh, op: str, arg: str, allowed: tuple, hint: str):
         raise ValueError(f"{op}: {arg} must be on the same mesh as the DTensor input, got {b.device_mesh}")
     placement = b.placements[0]
     if placement not in allowed:
-        raise ValueError(f"{op}: {arg} must be placed {hint}, got {placement}")
+        raise ValueError(f"{op}: {arg} must be placed {hint}, got {placement!r}")
     return b.to_local(), placement
 
 
@@ -77,7 +77,7 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, chunks):
     dim = wrap_dim(gather_dim, a_shard.dim(), op, "gather_dim", "a_shard")
     if a_shard.placements[0] != Shard(dim):
         raise ValueError(f"{op}: a_shard must be placed Shard({gather_dim}) (sharded along gather_dim), "
-                         f"got {a_shard.placements[0]}")
+                         f"got {a_shard.placements[0]!r}")
     contraction = dim == a_shard.dim() - 1
     locals_, placements = [], []
     for i, b in enumerate(bs):
@@ -105,7 +105,7 @@ def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, chunks):
     _check_group(group, mesh, op)
     if a.placements[0] != Shard(a.dim() - 1):
         raise ValueError(f"{op}: a must be placed Shard({a.dim() - 1}) (its contraction dim sharded, as a "
-                         f"row-parallel layer's input), got {a.placements[0]}")
+                         f"row-parallel layer's input), got {a.placements[0]!r}")
     b_local, _ = _local_b(b, mesh, op, "b", (Shard(0),), "Shard(0) (rows matching a's shards)")
     out = front(a.to_local(), b_local, scatter_dim, group=mesh, reduce_op=reduce_op, chunks=chunks)
     dim = wrap_dim(scatter_dim, a.dim(), op, "scatter_dim", "a")

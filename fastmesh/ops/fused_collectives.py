@@ -143,7 +143,7 @@ def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, chunk
         raise ValueError(f"{_RS}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
     dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")
     if reduce_op not in REDUCE_OPS:
-        raise ValueError(f'{_RS}: reduce_op must be "sum" or "avg", got {reduce_op!r}')
+        raise ValueError(f'{_RS}: reduce_op must be "sum" or "avg", got "{reduce_op}"')
     _check_chunks(chunks, _RS)
     scattered = b.shape[1] if dim == a.dim() - 1 else a.shape[dim]
     if scattered % world != 0:

@@ -1,0 +1,592 @@
+"""The consumer GEMM of the fused all-gather+matmul on CUDA: ``C = A @ B`` while A's rows are still arriving.
+
+On CUDA, ``all_gather_matmul`` moves the gathered operand A (the rows of every rank) in chunks on a
+side stream. After a chunk has landed, that stream sets the chunk's 32-bit flag. The kernel here runs
+at the same time on the compute stream. It computes C one tile at a time, and before it reads the A
+rows of a tile it spins on the flag of every chunk those rows touch. The plain-PyTorch equivalent,
+once every flag has reached ``expected``, is::
+
+    c = a @ b        # fp32 accumulation, rounded once to a.dtype
+
+Shapes (``chunk_starts`` splits A's rows into ``num_chunks`` contiguous chunks, of any sizes)::
+
+    =============  =========================  ===============================================
+    a              [M, K]  fp32 / bf16 / fp16  any strides
+    b              [K, N]  a.dtype             any strides (b = w.t() of a row-major w is fine)
+    flags          [num_chunks]  int32         chunk c has landed once flags[c] >= expected
+    chunk_starts   [num_chunks + 1]  int       0 = s_0 <= s_1 <= ... <= s_num_chunks = M;
+                                               chunk c is rows [s_c, s_c+1) (it may be empty)
+    order          [num_chunks]  int           the order in which the chunks arrive (default
+                                               0, 1, ...): a permutation of range(num_chunks)
+    error          [1]  int32                  0, or 1 + the highest chunk whose wait timed out
+    c (returned)   [M, N]  a.dtype             ``out`` if given (any strides)
+    =============  =========================  ===============================================
+
+Tile order
+----------
+The grid has one program per [BLOCK_M, BLOCK_N] tile of C. Program ids map to tiles in the order in
+which their A rows become readable. Programs start roughly in id order, so early programs work on the
+chunks that arrive first:
+
+1. :func:`block_schedule` sorts the M-blocks (the BLOCK_M-row stripes of A and C) by the arrival
+   position (the index in ``order``) of the last-arriving chunk that their rows touch. Ties keep
+   row order. A stripe that straddles chunks is ready when the later of them has arrived.
+2. Each run of M-blocks with the same key (the stripes that become ready together, when one chunk
+   lands) is cut into groups of ``group_m`` consecutive M-blocks. A group is never cut across runs,
+   so its programs never wait for two different chunks.
+3. Within a group, program ids walk the group's M-blocks fastest and then the N-blocks, as in
+   Triton's grouped matmul. ``group_m`` stripes of A and one stripe of B stay hot in L2.
+
+Concretely, the schedule is an int32 ``[num_blocks_m, 5]`` table. Row ``s`` (a slot in arrival order)
+holds ``(m_block, group_start, group_size, first_chunk, last_chunk)``. ``group_start`` and
+``group_size`` describe the group that contains slot ``s``. The chunks are those the stripe's rows
+touch. Program ``pid`` reads row ``pid // num_blocks_n``, which lies inside its group, then::
+
+    local = pid - group_start * num_blocks_n
+    slot  = group_start + local % group_size        ->  m_block = schedule[slot, 0]
+    n_block = local // group_size
+
+The table depends only on ``chunk_starts``, ``order``, ``M`` and the block sizes, not on N or K. The
+launcher computes it on the host from the host values of ``chunk_starts`` and ``order``. It caches the
+table as a device tensor, keyed by those values.
+
+Waiting, and what happens when a chunk is lost
+----------------------------------------------
+Before it loads A, a program visits each non-empty chunk ``c`` in ``[first_chunk, last_chunk]`` and
+reads ``flags[c]`` with an acquire atomic (``atomic_add(flags + c, 0, sem="acquire", scope="sys")``).
+It repeats the read until the flag reaches ``expected``. Because the test is ``>=`` against an
+``expected`` passed at launch, flags can be reused across calls with an increasing epoch and never
+need to be reset. The spin is bounded: after ``max_spins`` further reads the program gives up. It
+then does ``atomic_max(error, c + 1)`` and returns without loading A or writing its tile. A lost
+chunk therefore costs a bounded wait and never hangs the GPU. Tiles that do not touch the lost chunk
+are still computed.
+
+Reading ``error`` on the host needs a device sync, so the hot path leaves it on the device. The caller
+passes a persistent zero-initialized ``error`` and checks it later with :func:`check_chunk_wait`
+(for example once per step). ``error`` is sticky: the kernel only raises it with ``atomic_max``, and
+the caller resets it. ``chunked_matmul(..., check=True)`` syncs and raises at once. ``check``
+defaults to True when no ``error`` is passed, because otherwise nobody could ever see a timeout.
+
+Why the flags must not be written by an SM kernel
+-------------------------------------------------
+A waiting program holds its SM slot while it spins. If the consumer grid is at least as large as the
+GPU's resident capacity, waiting programs can occupy every SM. A producer that sets a flag from an SM
+kernel (a tiny "signal" kernel, or a copy kernel) might then never be scheduled, and the consumer
+would wait on it forever: a deadlock, or here a timeout. So the producer must move the data and
+write the flags without SMs. Candidates are copy-engine transfers (``cudaMemcpyAsync``: NCCL's
+copy-engine path, ``copy_`` between contiguous tensors; that the driver runs a same-device copy on a
+copy engine is the usual behaviour, not verified on hardware here) and stream memory operations
+(``cuStreamWriteValue32``, which PyTorch's own async-TP uses through
+``_SymmetricMemory.stream_write_value32``). The consumer itself never waits on anything that needs an
+SM.
+
+Memory ordering
+---------------
+The producer's stream orders the work: a chunk's data copy completes before the flag write that
+follows it on the same stream begins. On the consumer side, the flag is read with an *acquire* at
+system scope. System scope is used because the flag may be written by a peer GPU's copy engine over
+NVLink. Triton lowers the add-of-zero to one thread's ``ld.global.sys.acquire.b32``. The value
+reaches the other threads through shared memory behind a ``bar.sync``. The sm_90 compile test
+checks both the acquire and the loop. So no load of A's rows can be performed before the flag read
+that allowed it. Those loads also cannot be served from a stale L1 line, because an acquire at
+gpu/sys scope invalidates L1. A plain or ``volatile`` load would give neither guarantee. ``A`` is
+read directly from global memory. It is not copied through a buffer the producer might still be
+writing.
+
+On one GPU, :func:`loopback_chunked_matmul` plays the producer (chunked copies on a high-priority side
+stream, optional delays), so tests can exercise the waits.
+
+Interpreter notes (``TRITON_INTERPRET=1``; the tests run this kernel on CPU that way)
+-----------------------------------------------------------------------------------
+* Under the interpreter (triton 3.8), ``tl.dot`` multiplies the raw bf16 bit patterns (numpy has no
+  bf16). The kernel therefore widens bf16 tiles to fp32 before the dot when interpreted. This is
+  exact: widening is a shift. On the GPU the dot runs on bf16 tensor cores. Products of bf16 values
+  are exact in fp32 either way. Only the accumulation order differs.
+* The interpreter's fp32 -> bf16 cast truncates. ``_to_output`` rounds bf16 to nearest-even with
+  integer operations, on both the interpreter and the GPU (a few integer operations per output
+  element in the epilogue), so an interpreted result rounds as the GPU's does.
+* Programs run one after another in the interpreter, so a flag that is not set at launch is never
+  set. Tests pre-set the flags, or leave one unset to test the timeout with a small ``max_spins``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "ChunkWaitTimeout",
+    "MatmulConfig",
+    "DEFAULT_MAX_SPINS",
+    "block_schedule",
+    "check_chunk_wait",
+    "chunked_matmul",
+    "default_config",
+    "loopback_chunked_matmul",
+]
+
+# Each spin is one thread's acquire load from L2 plus two CTA barriers: of the order of a microsecond
+# or less (an estimate, not measured). 2**26 spins therefore give a late chunk some tens of seconds
+# before its tiles give up, while real chunks arrive within milliseconds. The bound exists so that a
+# lost chunk turns into an error instead of a hung GPU.
+DEFAULT_MAX_SPINS = 1 << 26
+_INT32_MAX = 2**31 - 1
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SCHEDULE_COLUMNS = 5  # m_block, group_start, group_size, first_chunk, last_chunk
+
+
+class ChunkWaitTimeout(RuntimeError):
+    """A consumer program gave up waiting for a chunk's flag. ``chunk`` is the highest such chunk.
+    The tiles that read that chunk's rows were not written."""
+
+    def __init__(self, chunk: int, message: str):
+        super().__init__(message)
+        self.chunk = chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tile sizes and launch options of the consumer GEMM."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16 (tl.dot), got {value}")
+        if self.group_m < 1:
+            raise ValueError(f"MatmulConfig.group_m must be >= 1, got {self.group_m}")
+
+
+def default_config(dtype: torch.dtype, interpreted: bool = False) -> MatmulConfig:
+    """Fixed tiles, no autotuning. These are the usual Hopper (H100/H200) choices for a
+    tensor-core GEMM; they have not been tuned on this kernel yet. Under the interpreter, 16-wide
+    tiles keep small test matrices cheap and put chunk boundaries inside tiles."""
+    if interpreted:
+        return MatmulConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        # Half the K depth of the 16-bit config: the same bytes per stage.
+        return MatmulConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3)
+    return MatmulConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _widen_bf16(x):
+    """bf16 -> fp32 by shifting the bits (exact)."""
+    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_output(acc, dtype: tl.constexpr):
+    """Round the fp32 accumulator to the output dtype, to nearest-even."""
+    if dtype == tl.bfloat16:
+        # Integer RNE, bit for bit the hardware's cvt.rn.bf16.f32 (NaN aside: canonical 0x7fc0). The
+        # interpreter's own fp32 -> bf16 cast truncates.
+        bits = acc.to(tl.int32, bitcast=True)
+        bits = tl.where(acc != acc, 0x7FC00000, bits)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return acc.to(dtype)
+
+
+@triton.jit
+def _chunked_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, flags_ptr, starts_ptr, schedule_ptr, error_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    num_blocks_n, expected, max_spins,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of C = A @ B, after the A chunks of its rows have landed.
+
+    schedule: int32 [num_blocks_m, 5] (see the module docstring for the pid -> tile mapping).
+    starts: int32 [num_chunks + 1] chunk row offsets (empty chunks are not waited for).
+    """
+    pid = tl.program_id(0)
+    row = schedule_ptr + (pid // num_blocks_n) * 5
+    group_start = tl.load(row + 1)
+    group_size = tl.load(row + 2)
+    local = pid - group_start * num_blocks_n
+    slot = schedule_ptr + (group_start + local % group_size) * 5
+    m_block = tl.load(slot)
+    n_block = local // group_size
+    chunk = tl.load(slot + 3)
+    last_chunk = tl.load(slot + 4)
+
+    # Wait for every chunk the tile's rows touch. `failed` is 1 + the chunk whose wait timed out.
+    failed = 0
+    while (chunk <= last_chunk) & (failed == 0):
+        if tl.load(starts_ptr + chunk + 1) > tl.load(starts_ptr + chunk):
+            # Acquire: the A loads below cannot be performed before this read (module docstring).
+            flag = tl.atomic_add(flags_ptr + chunk, 0, sem="acquire", scope="sys")
+            spins = 0
+            while (flag < expected) & (spins < max_spins):
+                flag = tl.atomic_add(flags_ptr + chunk, 0, sem="acquire", scope="sys")
+                spins += 1
+            if flag < expected:
+                failed = chunk + 1
+        chunk += 1
+
+    if failed != 0:
+        # Give up on this tile: record the chunk and leave C's tile unwritten.
+        tl.atomic_max(error_ptr, failed)
+    else:
+        rows = m_block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = n_block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < M
+        col_ok = cols < N
+        a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if WIDEN_BF16:
+                a = _widen_bf16(a)
+                b = _widen_bf16(b)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        c = _to_output(acc, c_ptr.dtype.element_ty)
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, c,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# Schedule
+# ------------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _host_ints(name: str, value, allow_none: bool = False) -> tuple[int, ...] | None:
+    """A 1-D int tensor (any device: a CUDA one costs a sync) or a sequence of ints, as a tuple."""
+    if value is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got None")
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {list(value.shape)}")
+        if value.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
+        return tuple(int(v) for v in value.tolist())
+    try:
+        values = tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(value).__name__}") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"{name} must contain ints, got {list(values)}")
+    return values
+
+
+def _check_starts(starts: tuple[int, ...], m: int) -> None:
+    if len(starts) < 2:
+        raise ValueError(f"chunk_starts must hold num_chunks + 1 >= 2 row offsets, got {list(starts)}")
+    if starts[0] != 0 or starts[-1] != m:
+        raise ValueError(f"chunk_starts must start at 0 and end at M = {m} (cover the rows of a), got {list(starts)}")
+    if any(lo > hi for lo, hi in zip(starts, starts[1:])):
+        raise ValueError(f"chunk_starts must be non-decreasing, got {list(starts)}")
+    if m > _INT32_MAX:
+        raise ValueError(f"M = {m} rows do not fit the kernel's int32 row offsets")
+
+
+def _check_order(order: tuple[int, ...] | None, num_chunks: int) -> tuple[int, ...]:
+    if order is None:
+        return tuple(range(num_chunks))
+    if sorted(order) != list(range(num_chunks)):
+        raise ValueError(f"order must be a permutation of 0..num_chunks-1 (num_chunks = {num_chunks}), got {list(order)}")
+    return order
+
+
+def block_schedule(chunk_starts, order=None, *, block_m: int, group_m: int = 1) -> torch.Tensor:
+    """The consumer's M-block schedule (module docstring, "Tile order"), as a CPU int32 tensor.
+
+    Args:
+        chunk_starts: ``num_chunks + 1`` non-decreasing row offsets from 0 to M (tensor or ints).
+        order: the arrival order of the chunks (default ``range(num_chunks)``).
+        block_m: rows per M-block.
+        group_m: M-blocks per L2 group (groups never span two arrival keys).
+
+    Returns:
+        int32 ``[cdiv(M, block_m), 5]``: row ``s`` = ``(m_block, group_start, group_size,
+        first_chunk, last_chunk)`` of the ``s``-th M-block in arrival order.
+    """
+    starts = _host_ints("chunk_starts", chunk_starts)
+    _check_starts(starts, starts[-1] if starts else 0)
+    order = _check_order(_host_ints("order", order, allow_none=True), len(starts) - 1)
+    return torch.tensor(_schedule_rows(starts, order, block_m, group_m), dtype=torch.int32).view(-1, _SCHEDULE_COLUMNS)
+
+
+def _schedule_rows(starts: tuple[int, ...], order: tuple[int, ...], block_m: int, group_m: int) -> list[list[int]]:
+    m = starts[-1]
+    position = {chunk: i for i, chunk in enumerate(order)}
+    blocks = []
+    for m_block in range(_cdiv(m, block_m)):
+        r0, r1 = m_block * block_m, min((m_block + 1) * block_m, m)
+        # bisect_right: with empty chunks at r0, the last chunk starting there is the one holding r0.
+        first = bisect.bisect_right(starts, r0) - 1
+        last = bisect.bisect_left(starts, r1) - 1  # the last chunk starting before r1
+        key = max(position[c] for c in range(first, last + 1) if starts[c + 1] > starts[c])
+        blocks.append((key, m_block, first, last))
+    blocks.sort()
+    rows = []
+    s = 0
+    while s < len(blocks):
+        run_end = s
+        while run_end < len(blocks) and blocks[run_end][0] == blocks[s][0]:
+            run_end += 1
+        for group_start in range(s, run_end, group_m):
+            group_size = min(group_m, run_end - group_start)
+            for key, m_block, first, last in blocks[group_start:group_start + group_size]:
+                rows.append([m_block, group_start, group_size, first, last])
+        s = run_end
+    return rows
+
+
+@functools.lru_cache(maxsize=64)
+def _device_schedule(starts: tuple[int, ...], order: tuple[int, ...], block_m: int, group_m: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(schedule, starts as int32) on ``device``, cached: a steady-state call copies nothing."""
+    rows = _schedule_rows(starts, order, block_m, group_m)
+    schedule = torch.tensor(rows, dtype=torch.int32).view(-1, _SCHEDULE_COLUMNS).to(device)
+    return schedule, torch.tensor(starts, dtype=torch.int32).to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+
+
+def _is_interpreted() -> bool:
+    return isinstance(_chunked_matmul_kernel, triton.runtime.interpreter.InterpretedFunction)
+
+
+def check_chunk_wait(error: torch.Tensor) -> None:
+    """Raise :class:`ChunkWaitTimeout` if ``error`` (the kernel's error word) is set.
+
+    This reads the tensor on the host, which costs a device sync. Call it off the hot path, for
+    example once per step on a persistent ``error`` that the caller resets after a failure.
+    """
+    code = int(error.max().item())
+    if code:
+        raise ChunkWaitTimeout(
+            code - 1,
+            f"chunked_matmul: gave up waiting for chunk {code - 1} (its flag stayed below `expected` for "
+            f"max_spins reads; error code {code}); the tiles reading that chunk's rows were not written",
+        )
+
+
+def _check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on a's device {device}, got {t.device}")
+
+
+def chunked_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    flags: torch.Tensor,
+    chunk_starts,
+    *,
+    expected: int = 1,
+    order=None,
+    out: torch.Tensor | None = None,
+    max_spins: int = DEFAULT_MAX_SPINS,
+    error: torch.Tensor | None = None,
+    check: bool | None = None,
+    input_precision: str = "ieee",
+    config: MatmulConfig | None = None,
+    wrap: Callable | None = None,
+) -> torch.Tensor:
+    """``a @ b``, reading each chunk of a's rows only after its flag reaches ``expected``.
+
+    Equivalent, once all flags are set, to ``torch.mm(a, b)`` (fp32 accumulation, one rounding to
+    a.dtype). Shapes are in the module docstring's table.
+
+    Args:
+        a: ``[M, K]`` float32 / bfloat16 / float16, any strides; its rows arrive in chunks.
+        b: ``[K, N]``, a's dtype and device, any strides.
+        flags: int32 ``[num_chunks]`` on a's device. Chunk ``c`` is readable once
+            ``flags[c] >= expected``. Written by a copy engine or a stream memory operation, never
+            by an SM kernel (module docstring).
+        chunk_starts: ``num_chunks + 1`` non-decreasing row offsets from 0 to M: an int32/int64
+            tensor or a sequence of ints. A CPU tensor or ints cost no sync. A CUDA tensor is read
+            back, with a device sync. The derived schedule is cached on the device. The first call
+            for a new layout copies it there, so make that call before any CUDA-graph capture.
+        expected: the epoch, an int in ``[1, 2**31 - 1]``. Flags below it are stale.
+        order: arrival order of the chunks (tensor or ints; default ``0..num_chunks-1``). Tiles are
+            scheduled in this order.
+        out: ``[M, N]`` output in a's dtype and device (any strides). Allocated if None.
+        max_spins: the flag reads a program makes past its first before it gives up on a chunk.
+        error: int32, one element, on a's device. On a timeout the kernel does
+            ``atomic_max(error, chunk + 1)``. Give a persistent zero tensor and read it later with
+            :func:`check_chunk_wait` to keep the hot path free of syncs.
+        check: sync and raise :class:`ChunkWaitTimeout` if a wait timed out. Defaults to
+            ``error is None`` (a private error word could not be inspected otherwise).
+        input_precision: for float32 inputs, ``"ieee"`` (full fp32 products, like torch's default
+            matmul) or ``"tf32"`` (tensor cores). 16-bit inputs always use their tensor-core dot.
+        config: tile sizes (:func:`default_config` if None).
+        wrap: applied to the kernel before launch (``torch.library.wrap_triton`` in a triton_op).
+
+    Returns:
+        ``out``: ``[M, N]`` in a's dtype. If a wait timed out, the tiles reading that chunk are
+        left as they were.
+    """
+    for name, t in (("a", a), ("b", b), ("flags", flags)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dim() != 2:
+        raise ValueError(f"a must be 2-D [M, K], got shape {list(a.shape)}")
+    if b.dim() != 2:
+        raise ValueError(f"b must be 2-D [K, N], got shape {list(b.shape)}")
+    if a.dtype not in _DTYPES:
+        raise TypeError(f"a must be float32, bfloat16 or float16, got {a.dtype}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"b must have a's dtype {a.dtype}, got {b.dtype}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a [M, K] and b [K, N] disagree on K: a is {list(a.shape)}, b is {list(b.shape)}")
+    device = a.device
+    _check_same_device("b", b, device)
+    m, k = a.shape
+    n = b.shape[1]
+
+    starts = _host_ints("chunk_starts", chunk_starts)
+    _check_starts(starts, m)
+    num_chunks = len(starts) - 1
+    order_values = _check_order(_host_ints("order", order, allow_none=True), num_chunks)
+
+    if flags.dtype != torch.int32 or tuple(flags.shape) != (num_chunks,):
+        raise ValueError(f"flags must be an int32 tensor with one flag per chunk, shape [{num_chunks}] "
+                         f"(num_chunks = {num_chunks}), got {flags.dtype} of shape {list(flags.shape)}")
+    _check_same_device("flags", flags, device)
+    if not isinstance(expected, int) or isinstance(expected, bool) or not 1 <= expected <= _INT32_MAX:
+        raise ValueError(f"expected must be an int in [1, 2**31 - 1], got {expected!r}")
+    if not isinstance(max_spins, int) or isinstance(max_spins, bool) or not 0 <= max_spins <= _INT32_MAX:
+        raise ValueError(f"max_spins must be an int in [0, 2**31 - 1], got {max_spins!r}")
+    if input_precision not in ("ieee", "tf32"):
+        raise ValueError(f"input_precision must be 'ieee' or 'tf32', got {input_precision!r}")
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=device)
+    else:
+        if tuple(out.shape) != (m, n) or out.dtype != a.dtype:
+            raise ValueError(f"out must be [M, N] = [{m}, {n}] of dtype {a.dtype}, got {list(out.shape)} of {out.dtype}")
+        _check_same_device("out", out, device)
+    if check is None:
+        check = error is None
+    if error is None:
+        error = torch.zeros(1, dtype=torch.int32, device=device)
+    elif error.dtype != torch.int32 or error.numel() != 1:
+        raise ValueError(f"error must be an int32 tensor of one element, got {error.dtype} of shape {list(error.shape)}")
+    else:
+        _check_same_device("error", error, device)
+
+    interpreted = _is_interpreted()
+    config = config or default_config(a.dtype, interpreted)
+    if m > 0 and n > 0:
+        schedule, starts_dev = _device_schedule(starts, order_values, config.block_m, config.group_m, device)
+        num_blocks_n = _cdiv(n, config.block_n)
+        kernel = _chunked_matmul_kernel if wrap is None else wrap(_chunked_matmul_kernel)
+        kernel[(schedule.shape[0] * num_blocks_n,)](
+            a, b, out, flags, starts_dev, schedule, error,
+            m, n, k,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            num_blocks_n, expected, max_spins,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            INPUT_PRECISION=input_precision if a.dtype == torch.float32 else None,
+            WIDEN_BF16=interpreted and a.dtype == torch.bfloat16,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    if check:
+        check_chunk_wait(error)
+    return out
+
+
+def loopback_chunked_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    num_chunks: int,
+    delay_cycles: int = 0,
+    order: Sequence[int] | None = None,
+    max_spins: int = DEFAULT_MAX_SPINS,
+    check: bool = True,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """``a @ b`` through :func:`chunked_matmul`, with a local producer (one GPU, no communication).
+
+    A high-priority side stream copies ``a`` into a fresh buffer, chunk by chunk in ``order``
+    (``num_chunks`` near-equal row ranges). It sleeps ``delay_cycles`` GPU cycles before each chunk
+    (``torch.cuda._sleep``) so that chunks arrive late, and sets each chunk's flag after its copy. The
+    consumer kernel is launched on the current stream right away, so its programs really wait.
+
+    The flag is set with a 4-byte device-to-device ``copy_`` from a preset device tensor. torch runs
+    a contiguous same-dtype copy as ``cudaMemcpyAsync``, which needs no SM slot. A flag-setting
+    kernel could be starved by the spinning consumer (module docstring). The sleeps are tiny SM
+    kernels. The side stream's high priority puts them ahead of the consumer's pending programs as
+    soon as an SM slot frees, and the consumer's first programs (on the first chunk) free slots.
+    This is a test harness. The production producer moves data with copy engines only.
+
+    Raises ValueError for non-CUDA tensors. With ``check`` (the default), this syncs and raises
+    :class:`ChunkWaitTimeout` if a wait timed out.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"loopback_chunked_matmul needs CUDA tensors (it uses CUDA streams); {name} is on {where}")
+    if a.dim() != 2:
+        raise ValueError(f"a must be 2-D [M, K], got shape {list(a.shape)}")
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be an int >= 1, got {num_chunks!r}")
+    if delay_cycles < 0:
+        raise ValueError(f"delay_cycles must be >= 0, got {delay_cycles}")
+    m = a.shape[0]
+    starts = [m * i // num_chunks for i in range(num_chunks + 1)]
+    order = _check_order(None if order is None else tuple(order), num_chunks)
+    device = a.device
+
+    a = a.contiguous()  # so that every chunk copy is one cudaMemcpyAsync
+    gathered = torch.empty_like(a)
+    flags = torch.zeros(num_chunks, dtype=torch.int32, device=device)
+    error = torch.zeros(1, dtype=torch.int32, device=device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device, priority=-1)
+    side.wait_stream(current)  # a, zeroed flags and `one` are ready
+    with torch.cuda.stream(side):
+        for chunk in order:
+            if delay_cycles:
+                torch.cuda._sleep(delay_cycles)
+            lo, hi = starts[chunk], starts[chunk + 1]
+            gathered[lo:hi].copy_(a[lo:hi])
+            flags[chunk:chunk + 1].copy_(one)
+    out = chunked_matmul(gathered, b, flags, starts, order=order, max_spins=max_spins, error=error,
+                         check=False, config=config)
+    # Every tensor the side stream touched was allocated on (or given to) the current stream, and
+    # the current stream now waits for the side stream: no record_stream needed.
+    current.wait_stream(side)
+    if check:
+        check_chunk_wait(error)
+    return out
