@@ -16,89 +16,14 @@
 #include <tuple>
 #include <vector>
 
-#include "blocks.h"
 #include "checks.h"
-#include "fastmesh/pipeline.h"
-#include "process_group.h"
+#include "gather_pipeline.h"
 
 namespace fastmesh {
 namespace fused {
 namespace {
 
 constexpr const char* kOp = "fastmesh::all_gather_matmul";
-
-using pipeline::Piece;
-using pipeline::RowLayout;
-
-// The received pieces, piece-major: piece i holds every rank's part of it as [world, rows_i, K] so that
-// each transfer is one plain all-gather into one contiguous buffer.
-struct GatheredPieces {
-  std::vector<Piece> pieces;
-  std::vector<at::Tensor> received;  // [world, rows, K] per piece
-  std::vector<Work> works;
-
-  // Starts every piece's all-gather; the transport runs them back to back.
-  GatheredPieces(const Group& group, const at::Tensor& shard_rows, const RowLayout& layout, int64_t chunks) {
-    const int64_t world = group->getSize();
-    const int64_t k = shard_rows.size(1);
-    pieces = pipeline::split_units(
-        layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * k * shard_rows.element_size(), chunks));
-    at::Tensor storage = at::empty({world * shard_rows.numel()}, shard_rows.options());
-    int64_t offset = 0;
-    for (const Piece& piece : pieces) {
-      const int64_t rows = piece.units() * layout.unit_rows;
-      at::Tensor out = storage.narrow(0, offset, world * rows * k).view({world, rows, k});
-      offset += world * rows * k;
-      at::Tensor flat_out = out.view({world * rows, k});
-      at::Tensor in = shard_rows.narrow(0, piece.unit_begin * layout.unit_rows, rows);
-      works.push_back(start_all_gather(group, flat_out, in));
-      received.push_back(out);
-    }
-  }
-
-  const at::Tensor& wait(size_t i) {
-    works[i]->wait();
-    return received[i];
-  }
-};
-
-std::vector<int64_t> with_size(at::IntArrayRef sizes, int64_t dim, int64_t size) {
-  std::vector<int64_t> out(sizes.begin(), sizes.end());
-  out[dim] = size;
-  return out;
-}
-
-// gather_dim < last: every rank's rows are a block of the output rows; no cross-rank sums.
-void gather_rows(const Group& group, const at::Tensor& shard, int64_t dim, at::TensorList bs,
-                 std::vector<at::Tensor>& outs, std::optional<at::Tensor>& a_full, int64_t chunks) {
-  const int64_t world = group->getSize(), rank = group->getRank();
-  const RowLayout layout = pipeline::row_layout(shard.sizes(), dim);
-  const int64_t k = shard.size(-1);
-  const at::Tensor shard_rows = shard.view({-1, k});
-  GatheredPieces gathered(group, shard_rows, layout, chunks);
-
-  std::vector<at::Tensor> out_blocks;
-  for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
-  const at::Tensor shard_block = shard.view({layout.outer, layout.inner, k});
-  const Piece whole{0, layout.units};
-  for (size_t i = 0; i < bs.size(); ++i) matmul_into(rank_block(out_blocks[i], layout, rank, whole), shard_block, bs[i]);
-  at::Tensor a_blocks;
-  if (a_full) {
-    a_blocks = rank_blocks_view(*a_full, layout, world);
-    rank_block(a_blocks, layout, rank, whole).copy_(shard_block);
-  }
-
-  for (size_t p = 0; p < gathered.pieces.size(); ++p) {
-    const Piece piece = gathered.pieces[p];
-    const at::Tensor& received = gathered.wait(p);
-    for (int64_t j = 0; j < world; ++j) {
-      if (j == rank) continue;
-      const at::Tensor part = as_block(received[j], layout);
-      for (size_t i = 0; i < bs.size(); ++i) matmul_into(rank_block(out_blocks[i], layout, j, piece), part, bs[i]);
-      if (a_full) rank_block(a_blocks, layout, j, piece).copy_(part);
-    }
-  }
-}
 
 // gather_dim == last: the gathered dim is the contraction dim, so out = sum_j shard_j @ b[rows of rank j].
 // Every rank adds the partial products in rank order, from products of the same shapes, so the
@@ -196,9 +121,15 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
   const at::Tensor shard = a_shard.contiguous();
   if (contraction) {
     gather_contraction(group, shard, bs, outs, a_full, chunks);
-  } else {
-    gather_rows(group, shard, dim, bs, outs, a_full, chunks);
+    return {a_full, outs};
   }
+  const RowLayout layout = pipeline::row_layout(shard.sizes(), dim);
+  std::vector<at::Tensor> out_blocks;
+  for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
+  const at::Tensor a_blocks = a_full ? rank_blocks_view(*a_full, layout, world) : at::Tensor();
+  gather_rows(group, shard, dim, a_full ? &a_blocks : nullptr, chunks, [&](int64_t j, Piece piece, const at::Tensor& rows) {
+    for (size_t i = 0; i < bs.size(); ++i) matmul_into(rank_block(out_blocks[i], layout, j, piece), rows, bs[i]);
+  });
   return {a_full, outs};
 }
 

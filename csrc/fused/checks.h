@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/string_view.h>
 
 #include <string>
 
@@ -37,6 +38,16 @@ inline int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op, const char* a
   TORCH_CHECK_VALUE(dim >= -ndim && dim < ndim, op, ": ", arg, " must be in [", -ndim, ", ", ndim - 1, "] for ",
                     tensor_arg, " with ", ndim, " dim(s), got ", dim);
   return dim < 0 ? dim + ndim : dim;
+}
+
+inline void check_scattered_divisible(int64_t scattered, int64_t world, int64_t scatter_dim, const char* op) {
+  TORCH_CHECK_VALUE(scattered % world == 0, op, ": the scattered dim ", scatter_dim, " of a @ b has size ", scattered,
+                    ", which is not divisible by the group size ", world);
+}
+
+inline void check_reduce_op(c10::string_view reduce_op, const char* op) {
+  TORCH_CHECK_VALUE(reduce_op == "sum" || reduce_op == "avg", op, ": reduce_op must be \"sum\" or \"avg\", got \"",
+                    std::string(reduce_op), '"');
 }
 
 inline void check_chunks(int64_t chunks, const char* op) {

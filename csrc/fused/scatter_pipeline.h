@@ -1,0 +1,71 @@
+// The reduce-scatter side of the pipeline (fastmesh/pipeline.h): the product computed piece by piece into
+// per-piece send buffers, each piece's reduce-scatter started as soon as it is full. Shared by the
+// high-precision and FP8 ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <vector>
+
+#include "blocks.h"
+#include "fastmesh/pipeline.h"
+#include "process_group.h"
+
+namespace fastmesh {
+namespace fused {
+
+// Reduce-scatters into `out` ([..., n_cols], its rows cut into pieces): for each piece, in order,
+// multiply_part(send_j, j, piece) fills send_j, the [rows, n_cols] part of the product bound for rank j,
+// for every rank j; then that piece's reduce-scatter starts while the next piece is multiplied.
+template <typename MultiplyPart>
+void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::RowLayout& layout, int64_t n_cols,
+                    int64_t chunks, const MultiplyPart& multiply_part) {
+  const int64_t world = group->getSize();
+  const at::Tensor out_rows = out.view({-1, n_cols});
+  const auto pieces = pipeline::split_units(
+      layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * n_cols * out.element_size(), chunks));
+  std::vector<Work> works;
+  for (const pipeline::Piece& piece : pieces) {
+    const int64_t rows = piece.units() * layout.unit_rows;
+    at::Tensor send = at::empty({world, rows, n_cols}, out.options());
+    for (int64_t j = 0; j < world; ++j) multiply_part(send[j], j, piece, layout);
+    at::Tensor flat_send = send.view({world * rows, n_cols});
+    at::Tensor received = out_rows.narrow(0, piece.unit_begin * layout.unit_rows, rows);
+    works.push_back(start_reduce_scatter_sum(group, received, flat_send));
+  }
+  for (const Work& work : works) work->wait();
+}
+
+// What both reduce-scatter ops do around their multiplies. Returns this rank's block of the reduced
+// product of a ([..., K], sizes `a_sizes`) and b ([K, n]) along `dim`: allocates it, checks that it has
+// the same shape on every rank, then runs the pipeline with multiply(send_j, j, piece, layout), where
+// the layout's units are the rows of a (dim == last: rank j gets columns [j*n/W, (j+1)*n/W)) or the
+// [P, W, Q] row blocks of the product (dim < last: rank j gets rows of block j).
+template <typename Multiply>
+at::Tensor reduce_scatter_product(const Group& group, at::IntArrayRef a_sizes, int64_t n, int64_t dim,
+                                  const at::TensorOptions& options, c10::string_view reduce_op, int64_t chunks,
+                                  const char* op, const Multiply& multiply) {
+  const int64_t world = group->getSize();
+  const int64_t last = static_cast<int64_t>(a_sizes.size()) - 1;
+  std::vector<int64_t> out_sizes(a_sizes.begin(), a_sizes.end());
+  out_sizes[last] = n;
+  out_sizes[dim] /= world;
+  at::Tensor out = at::empty(out_sizes, options);
+  // The product's shape is what travels (b's column count included).
+  check_same_shape_on_all_ranks(group, out, op, "a @ b");
+  if (out.numel() == 0) return out;
+  if (a_sizes[last] == 0) return out.zero_();  // empty contraction on every rank: the sum of zeros
+
+  if (dim == last) {
+    const int64_t rows = out.numel() / out.size(-1);
+    scatter_pieces(group, out, pipeline::row_layout(std::vector<int64_t>{rows, 1}, 1), n / world, chunks, multiply);
+  } else {
+    scatter_pieces(group, out, pipeline::row_layout(out.sizes(), dim), n, chunks, multiply);
+  }
+  if (reduce_op == "avg") out.div_(world);  // gloo has no AVG; one spelling for every backend
+  return out;
+}
+
+}  // namespace fused
+}  // namespace fastmesh
