@@ -25,9 +25,11 @@ struct GatheredPieces {
   std::vector<at::Tensor> received;  // [world, rows, K] per piece
   std::vector<Work> works;
 
-  // Starts every piece's all-gather; the transport runs them back to back.
+  // Starts every piece's all-gather; the transport runs them back to back. A group of one has nothing
+  // to receive: no pieces.
   GatheredPieces(const Group& group, const at::Tensor& shard_rows, const RowLayout& layout, int64_t chunks) {
     const int64_t world = group->getSize();
+    if (world == 1) return;
     const int64_t k = shard_rows.size(1);
     pieces = pipeline::split_units(
         layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * k * shard_rows.element_size(), chunks));

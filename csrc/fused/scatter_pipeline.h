@@ -28,6 +28,10 @@ void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::R
   std::vector<Work> works;
   for (const pipeline::Piece& piece : pieces) {
     const int64_t rows = piece.units() * layout.unit_rows;
+    if (world == 1) {  // nothing to reduce: multiply straight into the result
+      multiply_part(out_rows.narrow(0, piece.unit_begin * layout.unit_rows, rows), 0, piece, layout);
+      continue;
+    }
     at::Tensor send = at::empty({world, rows, n_cols}, out.options());
     for (int64_t j = 0; j < world; ++j) multiply_part(send[j], j, piece, layout);
     at::Tensor flat_send = send.view({world * rows, n_cols});

@@ -59,20 +59,31 @@ only with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
 
+if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
+    from fastmesh.fp8.config import Float8Config
 from fastmesh import _cpp_lib
 from fastmesh.kernels.fused_reference import all_gather, reduce_scatter
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor
+from fastmesh.ops._fused_common import (
+    check_chunks,
+    check_reduce_op,
+    check_scattered_divisible,
+    gathered_shape,
+    group_size,
+    input_grad_operands,
+    rows,
+    scattered_shape,
+)
 from fastmesh.ops._checks import wrap_dim
 from fastmesh.ops._library import qualified_name
+from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, check_config, matmul_reduce_scatter_fp8
 
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-REDUCE_OPS = ("sum", "avg")
 
 _AG = "fastmesh::all_gather_matmul"
 _RS = "fastmesh::matmul_reduce_scatter"
@@ -99,26 +110,11 @@ def _check_like(t: torch.Tensor, reference: torch.Tensor, op: str, arg: str, ref
         raise ValueError(f"{op}: {arg} must be on {reference_arg}'s device {reference.device}, got {t.device}")
 
 
-def _check_chunks(chunks, op: str) -> None:
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
-        raise ValueError(f"{op}: chunks must be an int >= 0 (0 picks the count from the shapes), got {chunks!r}")
-
-
-def _group_size(group_name: str, op: str) -> int:
-    try:
-        return _resolve_process_group(group_name).size()
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(
-            f'{op}: group_name "{group_name}" names no registered process group '
-            "(pass fastmesh.group_name(group) of a live group)"
-        ) from error
-
-
 def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, chunks) -> int:
     """Checks every argument; returns gather_dim made non-negative."""
     _check_operand(a_shard, _AG, "a_shard", 1)
     dim = wrap_dim(gather_dim, a_shard.dim(), _AG, "gather_dim", "a_shard")
-    _check_chunks(chunks, _AG)
+    check_chunks(chunks, _AG)
     if isinstance(bs, torch.Tensor) or not isinstance(bs, (list, tuple)):
         raise TypeError(f"{_AG}: bs must be a list of matrices, got {type(bs).__name__}")
     if not bs:
@@ -142,48 +138,31 @@ def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, chunk
     if b.shape[0] != a.shape[-1]:
         raise ValueError(f"{_RS}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
     dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f'{_RS}: reduce_op must be "sum" or "avg", got "{reduce_op}"')
-    _check_chunks(chunks, _RS)
-    scattered = b.shape[1] if dim == a.dim() - 1 else a.shape[dim]
-    if scattered % world != 0:
-        raise ValueError(f"{_RS}: the scattered dim {scatter_dim} of a @ b has size {scattered}, which is not "
-                         f"divisible by the group size {world}")
+    check_reduce_op(reduce_op, _RS)
+    check_chunks(chunks, _RS)
+    check_scattered_divisible(a.shape, b.shape[1], dim, scatter_dim, world, _RS)
     return dim
 
 
 # ---- fake impls ----
 
-def _gathered_shape(shape, dim: int, world: int) -> list:
-    full = list(shape)
-    full[dim] = full[dim] * world
-    return full
-
-
 @torch.library.register_fake(qualified_name("all_gather_matmul"))
 def _all_gather_matmul_fake(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0):
-    world = _group_size(group_name, _AG)
+    world = group_size(group_name, _AG)
     dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, chunks)
-    full = _gathered_shape(a_shard.shape, dim, world)
+    full = gathered_shape(a_shard.shape, dim, world)
     outs = [a_shard.new_empty(full[:-1] + [b.shape[1]]) for b in bs]
     return (a_shard.new_empty(full) if return_a else None), outs
 
 
 @torch.library.register_fake(qualified_name("matmul_reduce_scatter"))
 def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, chunks=0):
-    world = _group_size(group_name, _RS)
+    world = group_size(group_name, _RS)
     dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, chunks)
-    shape = list(a.shape[:-1]) + [b.shape[1]]
-    shape[dim] = shape[dim] // world
-    return a.new_empty(shape)
+    return a.new_empty(scattered_shape(a.shape, b.shape[1], dim, world))
 
 
 # ---- autograd ----
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a matrix: leading dims flattened."""
-    return t.reshape(-1, t.shape[-1])
-
 
 def _all_gather_matmul_setup(ctx, inputs, output):
     a_shard, bs, gather_dim, group_name, _return_a, chunks = inputs
@@ -214,7 +193,7 @@ def _all_gather_matmul_backward(ctx, grad_a_full, grad_outs):
     if ctx.bs_need_grad:
         a_full = a_saved if ctx.a_is_gathered else all_gather(a_saved.detach(), ctx.gather_dim, ctx.group_name)
         for g, i in grads:
-            grad_bs[i] = _rows(a_full).t() @ _rows(g)
+            grad_bs[i] = rows(a_full).t() @ rows(g)
     return grad_a_shard, grad_bs, None, None, None, None
 
 
@@ -225,13 +204,7 @@ def _all_gather_matmul_input_grad(ctx, bs, grads, grad_a_full):
         for g, i in grads:
             total = total + g @ bs[i].t()
         return reduce_scatter(total.contiguous(), ctx.gather_dim, ctx.group_name)
-    if len(grads) == 1:
-        g, i = grads[0]
-        grad_c, b_t = g, bs[i].t()
-    else:
-        # One reduce-scatter for all bs: [G_1 .. G_n] @ [b_1 .. b_n].T == sum_i G_i @ b_i.T
-        grad_c = torch.cat([g for g, _ in grads], dim=-1)
-        b_t = torch.cat([bs[i] for _, i in grads], dim=1).t()
+    grad_c, b_t = input_grad_operands(bs, grads)
     return torch.ops.fastmesh.matmul_reduce_scatter(grad_c, b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.chunks)
 
 
@@ -248,7 +221,7 @@ def _matmul_reduce_scatter_backward(ctx, grad_out):
     a, b = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.reduce_op == "avg":
-        grad_out = grad_out / _resolve_process_group(ctx.group_name).size()
+        grad_out = grad_out / group_size(ctx.group_name, _RS)
     grad_a = grad_b = None
     if need_a:
         grad_c, (grad_a,) = torch.ops.fastmesh.all_gather_matmul(
@@ -257,7 +230,7 @@ def _matmul_reduce_scatter_backward(ctx, grad_out):
     elif need_b:
         grad_c = all_gather(grad_out.contiguous(), ctx.scatter_dim, ctx.group_name)
     if need_b:
-        grad_b = _rows(a).t() @ _rows(grad_c)
+        grad_b = rows(a).t() @ rows(grad_c)
     return grad_a, grad_b, None, None, None, None
 
 
@@ -279,6 +252,7 @@ def all_gather_matmul(
     group=None,
     return_a: bool = False,
     chunks: Optional[int] = None,
+    fp8: Optional[Float8Config] = None,
 ) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
     """All-gather ``a_shard`` along ``gather_dim`` and multiply the result by each ``b``, overlapped.
 
@@ -303,6 +277,11 @@ def all_gather_matmul(
         return_a: also return the gathered ``a``.
         chunks: pipeline pieces per rank (``None``: chosen from the shapes; 1: no overlap beyond the local
             shard's multiply).
+        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to run in FP8:
+            ``a_shard`` travels as FP8 plus scales and the multiplies are scaled matmuls into a's dtype
+            (``fastmesh/ops/fused_collectives_fp8.py`` has the recipe and its backward). Rows only
+            (``gather_dim`` not the last dim); the returned ``a`` is then the dequantized FP8 gather and
+            carries no gradient.
 
     Returns:
         ``(a or None, [a @ b for b in bs])``.
@@ -317,13 +296,15 @@ def all_gather_matmul(
         (torch.Size([8, 8]), torch.Size([8, wq.shape[1]]))
     """
     if _dtensor.is_dtensor(a_shard) or any(_dtensor.is_dtensor(b) for b in bs):
-        return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, chunks)
+        return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, chunks, fp8)
     name = _group_name_of(group)
     chunks = 0 if chunks is None else chunks
     bs = list(bs)
     if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
-        _check_all_gather_matmul(a_shard, bs, gather_dim, _group_size(name, _AG), chunks)
+        _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), chunks)
     _cpp_lib.require()
+    if fp8 is not None:
+        return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, chunks, check_config(fp8, "fastmesh.all_gather_matmul"))
     # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
     want_a = return_a or (torch.is_grad_enabled() and any(b.requires_grad for b in bs))
     a_full, outs = torch.ops.fastmesh.all_gather_matmul(a_shard, bs, gather_dim, name, want_a, chunks)
@@ -338,6 +319,7 @@ def matmul_reduce_scatter(
     group=None,
     reduce_op: str = "sum",
     chunks: Optional[int] = None,
+    fp8: Optional[Float8Config] = None,
 ) -> torch.Tensor:
     """Multiply ``a @ b`` and reduce-scatter the product along ``scatter_dim``, overlapped.
 
@@ -357,6 +339,8 @@ def matmul_reduce_scatter(
         group: as for :func:`all_gather_matmul`.
         reduce_op: ``"sum"`` or ``"avg"``.
         chunks: pipeline pieces per rank (``None``: chosen from the shapes).
+        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to multiply in FP8
+            (scaled matmuls into a's dtype; the product is reduced in a's dtype).
 
     Returns:
         This rank's block of the reduced product: ``a @ b``'s shape with ``scatter_dim`` divided by the
@@ -368,12 +352,14 @@ def matmul_reduce_scatter(
         >>> y_shard = fastmesh.matmul_reduce_scatter(h, w2_t_shard, scatter_dim=0, group=mesh["tp"])
     """
     if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
-        return _dtensor.matmul_reduce_scatter(matmul_reduce_scatter, a, b, scatter_dim, group, reduce_op, chunks)
+        return _dtensor.matmul_reduce_scatter(matmul_reduce_scatter, a, b, scatter_dim, group, reduce_op, chunks, fp8)
     name = _group_name_of(group)
     chunks = 0 if chunks is None else chunks
     if not torch.compiler.is_compiling():
-        _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, _group_size(name, _RS), chunks)
+        _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), chunks)
     _cpp_lib.require()
+    if fp8 is not None:
+        return matmul_reduce_scatter_fp8(a, b, scatter_dim, name, reduce_op, chunks, check_config(fp8, "fastmesh.matmul_reduce_scatter"))
     return torch.ops.fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, name, chunks)
 
 

@@ -1,0 +1,119 @@
+// fastmesh::all_gather_scaled_matmul: the FP8 form of all_gather_matmul. The gathered operand travels as
+// FP8 data (one byte per element, as raw bytes: gloo has no float8 types) plus its scales, and every
+// multiply is a scaled matmul into a chosen output dtype. Rows only: gathering the contraction dim
+// would mix ranks' scales inside one dot product.
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "checks.h"
+#include "gather_pipeline.h"
+#include "scaled.h"
+
+namespace fastmesh {
+namespace fused {
+namespace {
+
+constexpr const char* kOp = "fastmesh::all_gather_scaled_matmul";
+
+std::vector<int64_t> rowwise_sizes(at::IntArrayRef sizes) {
+  std::vector<int64_t> out(sizes.begin(), sizes.end());
+  out.back() = 1;
+  return out;
+}
+
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_scaled_matmul(
+    const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales, int64_t gather_dim,
+    c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t chunks) {
+  check_fp8_operand(a_shard, kOp, "a_shard", 2, INT64_MAX);
+  const int64_t dim = wrap_dim(gather_dim, a_shard.dim(), kOp, "gather_dim", "a_shard");
+  TORCH_CHECK_VALUE(dim != a_shard.dim() - 1, kOp, ": the FP8 form gathers rows: gather_dim must not be the last dim (",
+                    gather_dim, " for a_shard with ", a_shard.dim(), " dims), since ranks' scales cannot share a dot product");
+  check_scale(a_scale, a_shard, rowwise_sizes(a_shard.sizes()), kOp, "a_scale", "a_shard");
+  check_out_dtype(out_dtype, kOp);
+  check_chunks(chunks, kOp);
+  TORCH_CHECK_VALUE(!bs.empty(), kOp, ": bs must hold at least one matrix, got an empty list");
+  TORCH_CHECK_VALUE(b_scales.size() == bs.size(), kOp, ": b_scales must hold one scale per b (", bs.size(), "), got ",
+                    b_scales.size());
+  for (size_t i = 0; i < bs.size(); ++i) {
+    const std::string arg = "bs[" + std::to_string(i) + "]";
+    check_fp8_operand(bs[i], kOp, arg, 2, 2);
+    TORCH_CHECK_VALUE(bs[i].device() == a_shard.device(), kOp, ": ", arg, " must be on a_shard's device ",
+                      a_shard.device(), ", got ", bs[i].device());
+    TORCH_CHECK_VALUE(bs[i].size(0) == a_shard.size(-1), kOp, ": ", arg, " must have ", a_shard.size(-1),
+                      " rows (the last dim of a_shard), got shape ", bs[i].sizes());
+    check_scale(b_scales[i], bs[i], {1, bs[i].size(1)}, kOp, "b_scales[" + std::to_string(i) + "]", arg);
+  }
+  const Group group = resolve_group(group_name, kOp);
+  const int64_t world = group->getSize(), rank = group->getRank();
+  check_same_shape_on_all_ranks(group, a_shard, kOp, "a_shard");
+  // Row-wise and tensor-wise shards cannot meet in one gathered a.
+  check_same_shape_on_all_ranks(group, a_scale, kOp, "a_scale");
+
+  const std::vector<int64_t> full_sizes = with_size(a_shard.sizes(), dim, a_shard.size(dim) * world);
+  const int64_t k = a_shard.size(-1);
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& b : bs) outs.push_back(at::empty(with_size(full_sizes, a_shard.dim() - 1, b.size(1)),
+                                                          a_shard.options().dtype(out_dtype)));
+  std::optional<at::Tensor> a_full, a_scale_full;
+  if (return_a) {
+    a_full = at::empty(full_sizes, a_shard.options());
+    a_scale_full = at::empty(rowwise_sizes(full_sizes), a_scale.options());
+  }
+  const RowLayout layout = pipeline::row_layout(a_shard.sizes(), dim);
+  if (layout.units == 0) return {a_full, a_scale_full, outs};
+
+  // The scales travel first, in one small all-gather, so that every piece's multiply can use them.
+  const at::Tensor shard = a_shard.contiguous();
+  at::Tensor scale_shard = a_scale.contiguous().view({-1});
+  at::Tensor scales = at::empty({world * scale_shard.numel()}, a_scale.options());
+  const Work scales_work = world > 1 ? start_all_gather(group, scales, scale_shard) : Work();
+  if (world == 1) scales.copy_(scale_shard);
+  bool scales_arrived = world == 1;
+  const bool rowwise = a_scale.dim() > 0;
+  const int64_t rows = rowwise ? scale_shard.numel() : 0;
+  auto scale_of = [&](int64_t j, Piece piece) -> at::Tensor {
+    if (!rowwise) return j == rank ? a_scale : scales.select(0, j);
+    const at::Tensor mine = j == rank ? scale_shard : scales.narrow(0, j * rows, rows);
+    return mine.narrow(0, piece.unit_begin * layout.unit_rows, piece.units() * layout.unit_rows).view({-1, 1});
+  };
+
+  std::vector<at::Tensor> out_blocks;
+  for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
+  const at::Tensor a_bytes = a_full ? rank_blocks_view(a_full->view(at::kByte), layout, world) : at::Tensor();
+  gather_rows(group, shard.view(at::kByte), dim, a_full ? &a_bytes : nullptr, chunks,
+              [&](int64_t j, Piece piece, const at::Tensor& block_bytes) {
+                if (j != rank && !scales_arrived) {
+                  scales_work->wait();
+                  scales_arrived = true;
+                }
+                const at::Tensor a_rows = block_bytes.view(shard.scalar_type()).view({-1, k});
+                const at::Tensor a_rows_scale = scale_of(j, piece);
+                for (size_t i = 0; i < bs.size(); ++i) {
+                  scaled_mm_into(rank_block(out_blocks[i], layout, j, piece), a_rows, a_rows_scale, bs[i], b_scales[i]);
+                }
+              });
+  if (!scales_arrived) scales_work->wait();
+  if (a_scale_full) {
+    // Row-wise scales of the gathered a: per-rank tensor-wise scales are expanded to their rows.
+    const at::Tensor per_rank = rowwise ? scales.view({world, layout.outer, layout.inner, 1}).permute({1, 0, 2, 3})
+                                        : scales.view({1, world, 1, 1});
+    rank_blocks_view(*a_scale_full, layout, world).copy_(per_rank.expand({layout.outer, world, layout.inner, 1}));
+  }
+  return {a_full, a_scale_full, outs};
+}
+
+}  // namespace
+}  // namespace fused
+}  // namespace fastmesh
+
+TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
+  m.impl("all_gather_scaled_matmul", &fastmesh::fused::all_gather_scaled_matmul);
+}
+TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {
+  m.impl("all_gather_scaled_matmul", &fastmesh::fused::all_gather_scaled_matmul);
+}

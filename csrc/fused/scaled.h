@@ -1,0 +1,74 @@
+// FP8 operands of the scaled fused ops: argument checks and the scaled multiply both ops use.
+//
+// An FP8 operand is its data (float8_e4m3fn / float8_e5m2) and its dequantization scale (float32) in a
+// layout torch._scaled_mm takes: tensor-wise (0-d) or row-wise (one per row of a: [..., 1]; one per
+// column of b: [1, N]). Block-wise scales are not supported by _scaled_mm on every backend and are
+// rejected here.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_scaled_mm.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+#include <vector>
+
+#include "fastmesh/checks.h"
+
+namespace fastmesh {
+namespace fused {
+
+inline void check_fp8_operand(const at::Tensor& data, const char* op, const std::string& arg, int64_t min_dim,
+                              int64_t max_dim) {
+  const auto dtype = data.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2, op, ": ", arg,
+                   " must be torch.float8_e4m3fn or torch.float8_e5m2 data, got ", torch_dtype_name(dtype));
+  TORCH_CHECK_VALUE(data.dim() >= min_dim && data.dim() <= max_dim, op, ": ", arg, " must have ",
+                    min_dim == max_dim ? std::to_string(min_dim) : "at least " + std::to_string(min_dim),
+                    " dim(s), got shape ", data.sizes());
+}
+
+// The scale of `data`: float32 on data's device, 0-d or `rowwise_sizes`. Returns whether it is row-wise.
+inline bool check_scale(const at::Tensor& scale, const at::Tensor& data, std::vector<int64_t> rowwise_sizes,
+                        const char* op, const std::string& arg, const std::string& data_arg) {
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, op, ": ", arg, " must be float32, got ",
+                   torch_dtype_name(scale.scalar_type()));
+  TORCH_CHECK_VALUE(scale.device() == data.device(), op, ": ", arg, " must be on ", data_arg, "'s device ",
+                    data.device(), ", got ", scale.device());
+  const bool rowwise = scale.dim() > 0;
+  TORCH_CHECK_VALUE(!rowwise || scale.sizes() == at::IntArrayRef(rowwise_sizes), op, ": ", arg,
+                    " must be tensor-wise (shape []) or row-wise (shape ", at::IntArrayRef(rowwise_sizes), "), got shape ",
+                    scale.sizes());
+  return rowwise;
+}
+
+inline void check_out_dtype(at::ScalarType out_dtype, const char* op) {
+  TORCH_CHECK_TYPE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf, op,
+                   ": out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got ", torch_dtype_name(out_dtype));
+}
+
+// (a_rows * a_scale) @ (b * b_scale) in `out_dtype`, through torch._scaled_mm, which wants both scales
+// tensor-wise or both row-wise: a tensor-wise scale beside a row-wise one is expanded.
+inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,
+                            const at::Tensor& b_scale, at::ScalarType out_dtype, at::Tensor* out = nullptr) {
+  const bool rowwise = a_scale.dim() > 0 || b_scale.dim() > 0;
+  const at::Tensor sa = rowwise ? a_scale.expand({a_rows.size(0), 1}).contiguous() : a_scale;
+  const at::Tensor sb = rowwise ? b_scale.expand({1, b.size(1)}).contiguous() : b_scale;
+  if (out) return at::_scaled_mm_out(*out, a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
+  return at::_scaled_mm(a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
+}
+
+// The same into `block` ([B, rows, N], B * rows == a_rows' rows): written in place when it is one
+// contiguous matrix, else through a temporary.
+inline void scaled_mm_into(at::Tensor block, const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,
+                           const at::Tensor& b_scale) {
+  at::Tensor matrix = block.size(0) == 1 ? block.select(0, 0) : at::Tensor();
+  if (matrix.defined() && matrix.is_contiguous()) {
+    scaled_mm(a_rows, a_scale, b, b_scale, block.scalar_type(), &matrix);
+  } else {
+    block.copy_(scaled_mm(a_rows, a_scale, b, b_scale, block.scalar_type()).view(block.sizes()));
+  }
+}
+
+}  // namespace fused
+}  // namespace fastmesh

@@ -1,0 +1,81 @@
+// fastmesh::scaled_matmul_reduce_scatter: the FP8 form of matmul_reduce_scatter. The multiplies are scaled
+// matmuls of FP8 operands into `out_dtype`; the product travels and is reduced in `out_dtype` (summing
+// FP8-rounded partial products would add an error per rank).
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "scaled.h"
+#include "scatter_pipeline.h"
+
+namespace fastmesh {
+namespace fused {
+namespace {
+
+constexpr const char* kOp = "fastmesh::scaled_matmul_reduce_scatter";
+
+using pipeline::Piece;
+using pipeline::RowLayout;
+
+at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                                        const at::Tensor& b_scale, int64_t scatter_dim, c10::string_view reduce_op,
+                                        c10::string_view group_name, at::ScalarType out_dtype, int64_t chunks) {
+  check_fp8_operand(a, kOp, "a", 1, INT64_MAX);
+  check_fp8_operand(b, kOp, "b", 2, 2);
+  TORCH_CHECK_VALUE(b.device() == a.device(), kOp, ": b must be on a's device ", a.device(), ", got ", b.device());
+  TORCH_CHECK_VALUE(b.size(0) == a.size(-1), kOp, ": b must have ", a.size(-1), " rows (a's last dim), got shape ",
+                    b.sizes());
+  std::vector<int64_t> a_rowwise(a.sizes().begin(), a.sizes().end());
+  a_rowwise.back() = 1;
+  const bool a_rowwise_scale = check_scale(a_scale, a, a_rowwise, kOp, "a_scale", "a");
+  const bool b_rowwise_scale = check_scale(b_scale, b, {1, b.size(1)}, kOp, "b_scale", "b");
+  const int64_t dim = wrap_dim(scatter_dim, a.dim(), kOp, "scatter_dim", "a");
+  check_reduce_op(reduce_op, kOp);
+  check_out_dtype(out_dtype, kOp);
+  check_chunks(chunks, kOp);
+  const Group group = resolve_group(group_name, kOp);
+  const int64_t world = group->getSize();
+  const int64_t n = b.size(1);
+  const bool columns = dim == a.dim() - 1;
+  check_scattered_divisible(columns ? n : a.size(dim), world, scatter_dim, kOp);
+
+  const int64_t k = a.size(-1);
+  const at::Tensor a_dense = a.contiguous();
+  const at::Tensor a_rows = a_dense.view({-1, k});
+  const at::Tensor a_scale_rows = a_rowwise_scale ? a_scale.contiguous().view({-1, 1}) : a_scale;
+  at::Tensor a_blocks, scale_blocks;  // [P, W, Q, K] and [P, W, Q, 1] views (row blocks of the product)
+  return reduce_scatter_product(
+      group, a.sizes(), n, dim, a.options().dtype(out_dtype), reduce_op, chunks, kOp,
+      [&](at::Tensor send, int64_t j, Piece piece, const RowLayout& layout) {
+        if (columns) {
+          const int64_t n_part = n / world;
+          const at::Tensor rows = a_rows.narrow(0, piece.unit_begin, piece.units());
+          const at::Tensor rows_scale = a_rowwise_scale ? a_scale_rows.narrow(0, piece.unit_begin, piece.units()) : a_scale;
+          const at::Tensor cols_scale = b_rowwise_scale ? b_scale.narrow(1, j * n_part, n_part) : b_scale;
+          scaled_mm(rows, rows_scale, b.narrow(1, j * n_part, n_part), cols_scale, send.scalar_type(), &send);
+          return;
+        }
+        if (!a_blocks.defined()) {
+          a_blocks = rank_blocks_view(a_dense, layout, world);
+          if (a_rowwise_scale) scale_blocks = rank_blocks_view(a_scale_rows, layout, world);
+        }
+        // A block spanning several [Q, K] slabs is strided; _scaled_mm takes plain matrices.
+        const at::Tensor rows = rank_block(a_blocks, layout, j, piece).contiguous().view({-1, k});
+        const at::Tensor rows_scale =
+            a_rowwise_scale ? rank_block(scale_blocks, layout, j, piece).contiguous().view({-1, 1}) : a_scale;
+        scaled_mm(rows, rows_scale, b, b_scale, send.scalar_type(), &send);
+      });
+}
+
+}  // namespace
+}  // namespace fused
+}  // namespace fastmesh
+
+TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
+  m.impl("scaled_matmul_reduce_scatter", &fastmesh::fused::scaled_matmul_reduce_scatter);
+}
+TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {
+  m.impl("scaled_matmul_reduce_scatter", &fastmesh::fused::scaled_matmul_reduce_scatter);
+}

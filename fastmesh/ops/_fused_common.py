@@ -1,0 +1,62 @@
+"""Pieces the high-precision and FP8 fused-collective ops share: group size, argument checks, autograd operands."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+REDUCE_OPS = ("sum", "avg")
+
+
+def group_size(group_name: str, op: str) -> int:
+    try:
+        return _resolve_process_group(group_name).size()
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(
+            f'{op}: group_name "{group_name}" names no registered process group '
+            "(pass fastmesh.group_name(group) of a live group)"
+        ) from error
+
+
+def check_chunks(chunks, op: str) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
+        raise ValueError(f"{op}: chunks must be an int >= 0 (0 picks the count from the shapes), got {chunks!r}")
+
+
+def check_reduce_op(reduce_op, op: str) -> None:
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f'{op}: reduce_op must be "sum" or "avg", got "{reduce_op}"')
+
+
+def check_scattered_divisible(a_shape, n: int, dim: int, scatter_dim: int, world: int, op: str) -> None:
+    scattered = n if dim == len(a_shape) - 1 else a_shape[dim]
+    if scattered % world != 0:
+        raise ValueError(f"{op}: the scattered dim {scatter_dim} of a @ b has size {scattered}, which is not "
+                         f"divisible by the group size {world}")
+
+
+def gathered_shape(shape, dim: int, world: int) -> list:
+    full = list(shape)
+    full[dim] = full[dim] * world
+    return full
+
+
+def scattered_shape(a_shape, n: int, dim: int, world: int) -> list:
+    shape = list(a_shape[:-1]) + [n]
+    shape[dim] = shape[dim] // world
+    return shape
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix: leading dims flattened."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def input_grad_operands(bs, grads) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands of the one matmul + reduce-scatter that gives the gathered input's gradient, for the
+    non-None output gradients ``grads`` (``(G_i, i)`` pairs): ``[G_1 .. G_n] @ [b_1 .. b_n].T`` equals
+    ``sum_i G_i @ b_i.T``, so several bs still cost one reduce-scatter."""
+    if len(grads) == 1:
+        g, i = grads[0]
+        return g, bs[i].t()
+    return torch.cat([g for g, _ in grads], dim=-1), torch.cat([bs[i] for _, i in grads], dim=1).t()

@@ -1,0 +1,286 @@
+"""FP8 forms of the fused collectives: ``fastmesh::all_gather_scaled_matmul`` and
+``fastmesh::scaled_matmul_reduce_scatter``, and the ``fp8=`` option of the Python fronts.
+
+The ops take FP8 data with dequantization scales (``x ~= data.float() * scale``) in the layouts
+``torch._scaled_mm`` takes: tensor-wise (0-d) or row-wise (``[..., 1]`` for a; ``[1, N]`` for b, one per
+column). The gathered operand travels as FP8 bytes plus its scales: half the bytes of bf16. Row-wise scales
+travel with their rows, so a row-wise-scaled activation can be all-gathered, which torch's and torchao's
+TP cannot do today. Plain-PyTorch equivalents (``deq(d, s) = d.float() * s``)::
+
+    # all_gather_scaled_matmul(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a)
+    a = cat(all_gather(deq(a_shard, a_scale)), gather_dim)
+    outs = [(a @ deq(b, s)).to(out_dtype) for b, s in zip(bs, b_scales)]      # one _scaled_mm per block
+    result = (gathered FP8 data, its row-wise scales) if return_a else (None, None), outs
+
+    # scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype)
+    result = reduce_scatter((deq(a, a_scale) @ deq(b, b_scale)).to(out_dtype), scatter_dim, reduce_op)
+
+Shapes are those of the high-precision ops (``fastmesh/ops/fused_collectives.py``), with:
+
+=====================  ================================  =========================================
+argument               shape                             note
+=====================  ================================  =========================================
+a_shard / a            ``[..., K]`` FP8                  all_gather: rows only (gather_dim < last)
+a_scale                ``[]`` or ``[..., 1]`` float32    each rank's own tensor-wise scale is fine
+bs[i] / b              ``[K, N]`` FP8                    column-major (``w_fp8.t()``) for CUDA
+b_scales[i] / b_scale  ``[]`` or ``[1, N]`` float32
+gathered scale         ``[..., W*S, ..., 1]`` float32    row-wise even for tensor-wise shards
+outputs                high-precision shapes             dtype ``out_dtype``
+=====================  ================================  =========================================
+
+The product of the reduce-scatter form travels and is reduced in ``out_dtype``.
+
+These ops consume quantized data, which carries no gradient. The differentiable FP8 path is the fronts'
+``fp8=Float8Config(...)`` option (current scaling, tensor-wise or row-wise): the forward quantizes the
+high-precision inputs with :func:`fastmesh.fp8.quantize` (each b per output column) and runs these ops;
+the backward is
+
+* dgrad (the gradient of the gathered / scattered operand): the other fused op, in FP8 when
+  ``backward_in_fp8`` (gradients quantized to ``grad_dtype``, the weights per row), else in the input dtype;
+* wgrad: in the input dtype, from the FP8 activation saved by the forward (``a_full`` dequantized), as in
+  torchao's "gradient of the weight in high precision" row-wise recipe: a transposed FP8 copy of the
+  gathered activation would cost another quantize pass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
+    from fastmesh.fp8.config import Float8Config
+
+from fastmesh.ops._checks import FP8_DTYPES, wrap_dim
+from fastmesh.ops._fused_common import (
+    check_chunks,
+    check_reduce_op,
+    check_scattered_divisible,
+    gathered_shape,
+    group_size,
+    input_grad_operands,
+    rows,
+    scattered_shape,
+)
+from fastmesh.ops._library import qualified_name
+from fastmesh.ops.fp8 import quantize
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GRANULARITIES = ("tensorwise", "rowwise")
+
+_AG = "fastmesh::all_gather_scaled_matmul"
+_RS = "fastmesh::scaled_matmul_reduce_scatter"
+
+
+# ---- checks (the wording of csrc/fused/scaled.h and checks.h) ----
+
+def _check_fp8(t, op: str, arg: str, min_dim: int, max_dim: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2 data, got {t.dtype}")
+    if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
+        wanted = f"{min_dim}" if min_dim == max_dim else f"at least {min_dim}"
+        raise ValueError(f"{op}: {arg} must have {wanted} dim(s), got shape {list(t.shape)}")
+
+
+def _check_scale(scale, data, rowwise_shape, op: str, arg: str, data_arg: str) -> None:
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{op}: {arg} must be float32, got {scale.dtype}")
+    if scale.device != data.device:
+        raise ValueError(f"{op}: {arg} must be on {data_arg}'s device {data.device}, got {scale.device}")
+    if scale.dim() > 0 and list(scale.shape) != list(rowwise_shape):
+        raise ValueError(f"{op}: {arg} must be tensor-wise (shape []) or row-wise (shape {list(rowwise_shape)}), "
+                         f"got shape {list(scale.shape)}")
+
+
+def _check_out_dtype(out_dtype, op: str) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
+
+
+def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, chunks) -> int:
+    _check_fp8(a_shard, _AG, "a_shard", 2)
+    dim = wrap_dim(gather_dim, a_shard.dim(), _AG, "gather_dim", "a_shard")
+    if dim == a_shard.dim() - 1:
+        raise ValueError(f"{_AG}: the FP8 form gathers rows: gather_dim must not be the last dim ({gather_dim} for "
+                         f"a_shard with {a_shard.dim()} dims), since ranks' scales cannot share a dot product")
+    _check_scale(a_scale, a_shard, list(a_shard.shape[:-1]) + [1], _AG, "a_scale", "a_shard")
+    _check_out_dtype(out_dtype, _AG)
+    check_chunks(chunks, _AG)
+    if not bs:
+        raise ValueError(f"{_AG}: bs must hold at least one matrix, got an empty list")
+    if len(b_scales) != len(bs):
+        raise ValueError(f"{_AG}: b_scales must hold one scale per b ({len(bs)}), got {len(b_scales)}")
+    for i, (b, s) in enumerate(zip(bs, b_scales)):
+        _check_fp8(b, _AG, f"bs[{i}]", 2, 2)
+        if b.device != a_shard.device:
+            raise ValueError(f"{_AG}: bs[{i}] must be on a_shard's device {a_shard.device}, got {b.device}")
+        if b.shape[0] != a_shard.shape[-1]:
+            raise ValueError(f"{_AG}: bs[{i}] must have {a_shard.shape[-1]} rows (the last dim of a_shard), "
+                             f"got shape {list(b.shape)}")
+        _check_scale(s, b, [1, b.shape[1]], _AG, f"b_scales[{i}]", f"bs[{i}]")
+    return dim
+
+
+def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, chunks) -> int:
+    _check_fp8(a, _RS, "a", 1)
+    _check_fp8(b, _RS, "b", 2, 2)
+    if b.device != a.device:
+        raise ValueError(f"{_RS}: b must be on a's device {a.device}, got {b.device}")
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{_RS}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
+    _check_scale(a_scale, a, list(a.shape[:-1]) + [1], _RS, "a_scale", "a")
+    _check_scale(b_scale, b, [1, b.shape[1]], _RS, "b_scale", "b")
+    dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")
+    check_reduce_op(reduce_op, _RS)
+    _check_out_dtype(out_dtype, _RS)
+    check_chunks(chunks, _RS)
+    check_scattered_divisible(a.shape, b.shape[1], dim, scatter_dim, world, _RS)
+    return dim
+
+
+# ---- fake impls ----
+
+@torch.library.register_fake(qualified_name("all_gather_scaled_matmul"))
+def _all_gather_scaled_matmul_fake(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False,
+                                   chunks=0):
+    world = group_size(group_name, _AG)
+    dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, chunks)
+    full = gathered_shape(a_shard.shape, dim, world)
+    outs = [a_shard.new_empty(full[:-1] + [b.shape[1]], dtype=out_dtype) for b in bs]
+    if not return_a:
+        return None, None, outs
+    return a_shard.new_empty(full), a_scale.new_empty(full[:-1] + [1]), outs
+
+
+@torch.library.register_fake(qualified_name("scaled_matmul_reduce_scatter"))
+def _scaled_matmul_reduce_scatter_fake(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, chunks=0):
+    world = group_size(group_name, _RS)
+    dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, chunks)
+    return a.new_empty(scattered_shape(a.shape, b.shape[1], dim, world), dtype=out_dtype)
+
+
+# ---- the fronts' fp8= option ----
+
+def check_config(config, op: str) -> Float8Config:
+    from fastmesh.fp8.config import Float8Config
+
+    if not isinstance(config, Float8Config):
+        raise TypeError(f"{op}: fp8 must be a fastmesh.fp8.Float8Config, got {type(config).__name__}")
+    if config.granularity not in GRANULARITIES:
+        raise ValueError(f"{op}: fp8 granularity must be 'tensorwise' or 'rowwise' (the scale layouts "
+                         f"torch._scaled_mm takes on every backend), got {config.granularity!r}")
+    if config.scaling != "current":
+        raise ValueError(f"{op}: fp8= quantizes with current scaling; for delayed scaling quantize with your scales "
+                         "and call torch.ops.fastmesh.all_gather_scaled_matmul / scaled_matmul_reduce_scatter")
+    return config
+
+
+def _quantize_rows(x: torch.Tensor, dtype: torch.dtype, config: Float8Config):
+    """x ([..., K]) quantized per row (or tensor-wise): data and scale in _scaled_mm's layout for its first operand."""
+    q = quantize(x.detach(), dtype=dtype, granularity=config.granularity, power_of_two=config.power_of_two)
+    return q.data, q.scale
+
+
+def _quantize_columns(b: torch.Tensor, dtype: torch.dtype, config: Float8Config):
+    """b ([K, N]) quantized per column (or tensor-wise): column-major data and a [1, N] (or 0-d) scale, the
+    layout _scaled_mm takes for its second operand."""
+    data, scale = _quantize_rows(b.t(), dtype, config)
+    return data.t(), scale.t()
+
+
+def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.float() * scale).to(dtype)
+
+
+class _Float8AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, config, group_name, gather_dim, chunks, return_a, a_shard, *bs):
+        a_data, a_scale = _quantize_rows(a_shard, config.dtype, config)
+        b_ops = [_quantize_columns(b, config.dtype, config) for b in bs]
+        a_full, a_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
+            a_data, a_scale, [d for d, _ in b_ops], [s for _, s in b_ops], gather_dim, group_name, a_shard.dtype,
+            True, chunks,
+        )
+        ctx.config, ctx.group_name, ctx.gather_dim, ctx.chunks = config, group_name, gather_dim, chunks
+        ctx.dtype = a_shard.dtype
+        ctx.save_for_backward(a_full, a_full_scale, *bs)
+        ctx.mark_non_differentiable(a_full, a_full_scale)
+        gathered = _dequantize(a_full, a_full_scale, a_shard.dtype) if return_a else None
+        if gathered is not None:
+            ctx.mark_non_differentiable(gathered)
+        return (gathered, *outs)
+
+    @staticmethod
+    def backward(ctx, _grad_gathered, *grad_outs):
+        a_full, a_full_scale, *bs = ctx.saved_tensors
+        grads = [(g, i) for i, g in enumerate(grad_outs) if g is not None]
+        grad_a = None
+        if ctx.needs_input_grad[5] and grads:
+            grad_c, b_t = input_grad_operands(bs, grads)
+            if ctx.config.backward_in_fp8:
+                g_data, g_scale = _quantize_rows(grad_c, ctx.config.grad_dtype, ctx.config)
+                bt_data, bt_scale = _quantize_columns(b_t, ctx.config.dtype, ctx.config)
+                grad_a = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
+                    g_data, g_scale, bt_data, bt_scale, ctx.gather_dim, "sum", ctx.group_name, ctx.dtype, ctx.chunks)
+            else:
+                grad_a = torch.ops.fastmesh.matmul_reduce_scatter(
+                    grad_c.contiguous(), b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.chunks)
+        grad_bs = [None] * len(bs)
+        if any(ctx.needs_input_grad[6:]):
+            a_hp = rows(_dequantize(a_full, a_full_scale, ctx.dtype))
+            for g, i in grads:
+                grad_bs[i] = a_hp.t() @ rows(g)
+        return (None, None, None, None, None, grad_a, *grad_bs)
+
+
+class _Float8MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, config, group_name, scatter_dim, reduce_op, chunks, a, b):
+        a_data, a_scale = _quantize_rows(a, config.dtype, config)
+        b_data, b_scale = _quantize_columns(b, config.dtype, config)
+        out = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
+            a_data, a_scale, b_data, b_scale, scatter_dim, reduce_op, group_name, a.dtype, chunks)
+        ctx.config, ctx.group_name, ctx.scatter_dim, ctx.reduce_op, ctx.chunks = (
+            config, group_name, scatter_dim, reduce_op, chunks)
+        ctx.dtype = a.dtype
+        ctx.save_for_backward(a, b)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
+        if ctx.reduce_op == "avg":
+            grad_out = grad_out / group_size(ctx.group_name, _RS)
+        grad_a = grad_b = grad_c = None
+        if ctx.config.backward_in_fp8:
+            g_data, g_scale = _quantize_rows(grad_out, ctx.config.grad_dtype, ctx.config)
+            bt_data, bt_scale = _quantize_columns(b.t(), ctx.config.dtype, ctx.config)
+            g_full, g_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
+                g_data, g_scale, [bt_data], [bt_scale], ctx.scatter_dim, ctx.group_name, ctx.dtype, need_b, ctx.chunks)
+            grad_a = outs[0] if need_a else None
+            if need_b:
+                grad_c = _dequantize(g_full, g_full_scale, ctx.dtype)
+        else:
+            grad_c, (grad_a,) = torch.ops.fastmesh.all_gather_matmul(
+                grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.chunks)
+        if need_b:
+            grad_b = rows(a).t() @ rows(grad_c)
+        return None, None, None, None, None, (grad_a if need_a else None), grad_b
+
+
+def all_gather_matmul_fp8(a_shard, bs: Sequence[torch.Tensor], gather_dim: int, group_name: str, return_a: bool,
+                          chunks: int, config: Float8Config) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+    """The fronts' ``fp8=`` path of all_gather_matmul (module docstring)."""
+    gathered, *outs = _Float8AllGatherMatmul.apply(config, group_name, gather_dim, chunks, return_a, a_shard, *bs)
+    return gathered, list(outs)
+
+
+def matmul_reduce_scatter_fp8(a, b, scatter_dim: int, group_name: str, reduce_op: str, chunks: int,
+                              config: Float8Config) -> torch.Tensor:
+    """The fronts' ``fp8=`` path of matmul_reduce_scatter (module docstring)."""
+    return _Float8MatmulReduceScatter.apply(config, group_name, scatter_dim, reduce_op, chunks, a, b)
