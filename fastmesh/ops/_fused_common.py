@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+logger = logging.getLogger("fastmesh.ops")
+
 REDUCE_OPS = ("sum", "avg")
+
+# What each device runs, said once per op and device. (On CUDA the Triton chunk-waiting GEMM of
+# fastmesh.kernels.chunked_matmul exists but needs a transport that signals per chunk without SMs; until
+# that is wired in, CUDA runs the pipelined decomposition.)
+_PATHS = {
+    "cpu": "the pipelined C++ kernel: each piece's collective (gloo) runs while the previous piece is multiplied",
+    "cuda": "the pipelined decomposition: per-piece collectives on the backend's stream (NCCL), each multiply "
+    "waiting for its piece on the current stream",
+}
+_logged: set[tuple[str, str]] = set()
+
+
+def log_path_once(op: str, device: torch.device) -> None:
+    key = (op, device.type)
+    if key not in _logged:
+        _logged.add(key)
+        path = _PATHS.get(device.type, "the pipelined C++ kernel over the group's backend")
+        logger.info("%s on %s runs %s", op, device.type, path)
 
 
 def group_size(group_name: str, op: str) -> int:

@@ -76,6 +76,7 @@ from fastmesh.ops._fused_common import (
     gathered_shape,
     group_size,
     input_grad_operands,
+    log_path_once,
     rows,
     scattered_shape,
 )
@@ -303,6 +304,8 @@ def all_gather_matmul(
     if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
         _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), chunks)
     _cpp_lib.require()
+    if not torch.compiler.is_compiling():
+        log_path_once("fastmesh.all_gather_matmul", a_shard.device)
     if fp8 is not None:
         return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, chunks, check_config(fp8, "fastmesh.all_gather_matmul"))
     # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
@@ -358,6 +361,8 @@ def matmul_reduce_scatter(
     if not torch.compiler.is_compiling():
         _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), chunks)
     _cpp_lib.require()
+    if not torch.compiler.is_compiling():
+        log_path_once("fastmesh.matmul_reduce_scatter", a.device)
     if fp8 is not None:
         return matmul_reduce_scatter_fp8(a, b, scatter_dim, name, reduce_op, chunks, check_config(fp8, "fastmesh.matmul_reduce_scatter"))
     return torch.ops.fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, name, chunks)
