@@ -107,6 +107,7 @@ def test_all_gather_matmul_random_within_baseline_error(world_size):
                 _check_gather_case(rank, world_size, dtype, randn, *case, exact=False)
 
 
+@pytest.mark.smoke
 @on_ranks(2)
 def test_all_gather_matmul_large_shard():
     """1000 rows per rank, K and N not multiples of 8, several automatic pieces."""
@@ -257,6 +258,7 @@ def test_one_pipelined_gather_per_call_whatever_the_number_of_bs():
         assert backward == {GATHER: 1, SCATTER: 3}, backward
 
 
+@pytest.mark.smoke
 @on_ranks(2)
 def test_reduce_scatter_backward_is_one_pipelined_gather():
     a = torch.randn(8, 16, requires_grad=True)

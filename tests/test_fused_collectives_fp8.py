@@ -53,6 +53,7 @@ def _gather_reference(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype):
     return a, [(a @ dequantize(b, s)).to(out_dtype) for b, s in zip(bs, b_scales)]
 
 
+@pytest.mark.smoke
 @on_ranks(2, 4)
 def test_all_gather_scaled_matmul_exact():
     rank, name = dist.get_rank(), _world_name()
