@@ -240,34 +240,39 @@ def _collectives(fn) -> dict[str, int]:
     return counts
 
 
-GATHER, SCATTER = "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"
+GATHER, SEND, RECV = "c10d::_allgather_base_", "c10d::send", "c10d::recv_"
 
 
-@on_ranks(2)
-def test_one_pipelined_gather_per_call_whatever_the_number_of_bs():
-    """A call issues the shape check (one small all-gather, CPU) plus one all-gather per pipeline piece: the
-    same for 1 or 3 bs. Its backward issues one pipelined reduce-scatter (plus its check) and no gather:
-    the gathered a was kept from the forward."""
+def _pieces(world: int, pieces: int) -> dict[str, int]:
+    """What the transfer of `pieces` pieces costs on gloo: each piece goes point-to-point to and from every
+    other rank, after the shape check (one small all-gather)."""
+    return {GATHER: 1, SEND: pieces * (world - 1), RECV: pieces * (world - 1)}
+
+
+@on_ranks(2, 4)
+def test_one_pipelined_gather_per_call_whatever_the_number_of_bs(world_size):
+    """A call moves its pieces once, the same for 1 or 3 bs. Its backward moves the pieces of one
+    reduce-scatter and gathers nothing: the gathered a was kept from the forward."""
     a_shard = torch.randn(12, 16, requires_grad=True)
     for nbs in (1, 3):
         bs = [torch.randn(16, 4, requires_grad=True) for _ in range(nbs)]
         result = {}
         forward = _collectives(lambda: result.update(out=fastmesh.all_gather_matmul(a_shard, bs, 0, chunks=3)[1]))
-        assert forward == {GATHER: 1 + 3}, forward
+        assert forward == _pieces(world_size, 3), forward
         backward = _collectives(lambda: sum(o.sum() for o in result["out"]).backward())
-        assert backward == {GATHER: 1, SCATTER: 3}, backward
+        assert backward == _pieces(world_size, 3), backward
 
 
 @pytest.mark.smoke
 @on_ranks(2)
-def test_reduce_scatter_backward_is_one_pipelined_gather():
+def test_reduce_scatter_backward_is_one_pipelined_gather(world_size):
     a = torch.randn(8, 16, requires_grad=True)
     b = torch.randn(16, 6, requires_grad=True)
     result = {}
     forward = _collectives(lambda: result.update(out=fastmesh.matmul_reduce_scatter(a, b, 0, chunks=2)))
-    assert forward == {GATHER: 1, SCATTER: 2}, forward
+    assert forward == _pieces(world_size, 2), forward
     backward = _collectives(lambda: result["out"].sum().backward())
-    assert backward == {GATHER: 1 + 2}, backward
+    assert backward == _pieces(world_size, 2), backward
 
 
 # ---- opcheck, compile ----

@@ -50,23 +50,13 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
     a_parts = a_full->view({-1, world, k});
     a_parts.select(1, rank).copy_(shard_rows);
   }
-  const bool accumulate_in_out = shard.scalar_type() == at::kFloat || shard.scalar_type() == at::kDouble;
-
   for (size_t p = 0; p < gathered.pieces.size(); ++p) {
     const Piece piece = gathered.pieces[p];
     const at::Tensor& received = gathered.wait(p);
     for (size_t i = 0; i < bs.size(); ++i) {
-      at::Tensor rows = out_rows[i].narrow(0, piece.unit_begin, piece.units());
-      at::Tensor sum = accumulate_in_out ? rows : at::empty(rows.sizes(), rows.options().dtype(at::kFloat));
-      for (int64_t j = 0; j < world; ++j) {
-        const at::Tensor partial = j == rank ? own[p][i] : at::mm(received[j], b_part(i, j));
-        if (j == 0) {
-          sum.copy_(partial);
-        } else {
-          sum.add_(partial);
-        }
-      }
-      if (!accumulate_in_out) rows.copy_(sum);
+      std::vector<at::Tensor> partials;
+      for (int64_t j = 0; j < world; ++j) partials.push_back(j == rank ? own[p][i] : at::mm(received[j], b_part(i, j)));
+      sum_in_order(out_rows[i].narrow(0, piece.unit_begin, piece.units()), partials);
     }
     if (a_full) {
       for (int64_t j = 0; j < world; ++j) {

@@ -8,7 +8,10 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+
+#include <vector>
 
 #include "fastmesh/pipeline.h"
 
@@ -40,6 +43,16 @@ inline void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& m
   } else {
     at::bmm_out(out, a, mat.expand({a.size(0), mat.size(0), mat.size(1)}));
   }
+}
+
+// out = parts[0] + parts[1] + ... added in this order, so that every rank that adds the same parts in the
+// same order gets the same bits. bf16/fp16 parts are added in fp32 and rounded once.
+inline void sum_in_order(at::Tensor out, const std::vector<at::Tensor>& parts) {
+  const bool exact_dtype = out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble;
+  at::Tensor sum = exact_dtype ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  sum.copy_(parts[0]);
+  for (size_t i = 1; i < parts.size(); ++i) sum.add_(parts[i]);
+  if (!exact_dtype) out.copy_(sum);
 }
 
 }  // namespace fused

@@ -22,32 +22,32 @@ using pipeline::RowLayout;
 // each transfer is one plain all-gather into one contiguous buffer.
 struct GatheredPieces {
   std::vector<Piece> pieces;
-  std::vector<at::Tensor> received;  // [world, rows, K] per piece
-  std::vector<Work> works;
+  std::vector<at::Tensor> received;       // [world, rows, K] per piece
+  std::vector<std::vector<Work>> works;  // per piece
 
-  // Starts every piece's all-gather; the transport runs them back to back. A group of one has nothing
-  // to receive: no pieces.
+  // Starts every piece's transfer; the transport runs them back to back. A group of one has nothing to
+  // receive: no pieces.
   GatheredPieces(const Group& group, const at::Tensor& shard_rows, const RowLayout& layout, int64_t chunks) {
     const int64_t world = group->getSize();
     if (world == 1) return;
+    const bool p2p = point_to_point(group, shard_rows.device());
     const int64_t k = shard_rows.size(1);
     pieces = pipeline::split_units(
         layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * k * shard_rows.element_size(), chunks));
     at::Tensor storage = at::empty({world * shard_rows.numel()}, shard_rows.options());
     int64_t offset = 0;
-    for (const Piece& piece : pieces) {
-      const int64_t rows = piece.units() * layout.unit_rows;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const int64_t rows = pieces[i].units() * layout.unit_rows;
       at::Tensor out = storage.narrow(0, offset, world * rows * k).view({world, rows, k});
       offset += world * rows * k;
-      at::Tensor flat_out = out.view({world * rows, k});
-      at::Tensor in = shard_rows.narrow(0, piece.unit_begin * layout.unit_rows, rows);
-      works.push_back(start_all_gather(group, flat_out, in));
+      const at::Tensor in = shard_rows.narrow(0, pieces[i].unit_begin * layout.unit_rows, rows);
+      works.push_back(start_piece_gather(group, p2p, in, out, static_cast<int>(i)));
       received.push_back(out);
     }
   }
 
   const at::Tensor& wait(size_t i) {
-    works[i]->wait();
+    for (const Work& work : works[i]) work->wait();
     return received[i];
   }
 };

@@ -42,6 +42,53 @@ Work start_reduce_scatter_sum(const Group& group, at::Tensor& output, at::Tensor
 }
 #pragma GCC diagnostic pop
 
+bool point_to_point(const Group& group, const at::Device& device) {
+  return group->getBackend(device.type())->getBackendName() == "gloo";
+}
+
+namespace {
+
+void start_send(const Group& group, std::vector<Work>& works, const at::Tensor& tensor, int64_t peer, int tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  works.push_back(group->send(tensors, static_cast<int>(peer), tag));
+}
+
+void start_recv(const Group& group, std::vector<Work>& works, const at::Tensor& tensor, int64_t peer, int tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  works.push_back(group->recv(tensors, static_cast<int>(peer), tag));
+}
+
+}  // namespace
+
+std::vector<Work> start_piece_gather(const Group& group, bool p2p, const at::Tensor& mine, const at::Tensor& out,
+                                     int tag) {
+  const int64_t world = group->getSize(), rank = group->getRank();
+  std::vector<Work> works;
+  if (!p2p) {
+    at::Tensor flat_out = out.view({-1, out.size(-1)});
+    at::Tensor input = mine;
+    works.push_back(start_all_gather(group, flat_out, input));
+    return works;
+  }
+  // Peers in ring order from this rank, so that no rank is every rank's first destination.
+  for (int64_t step = 1; step < world; ++step) {
+    start_send(group, works, mine, (rank + step) % world, tag);
+    start_recv(group, works, out[(rank - step + world) % world], (rank - step + world) % world, tag);
+  }
+  return works;
+}
+
+std::vector<Work> start_piece_exchange(const Group& group, const at::Tensor& send, const at::Tensor& received, int tag) {
+  const int64_t world = group->getSize(), rank = group->getRank();
+  std::vector<Work> works;
+  for (int64_t step = 1; step < world; ++step) {
+    const int64_t to = (rank + step) % world, from = (rank - step + world) % world;
+    start_send(group, works, send[to], to, tag);
+    start_recv(group, works, received[from], from, tag);
+  }
+  return works;
+}
+
 namespace {
 
 // A fixed-size fingerprint so that the check itself cannot mismatch: [ndim, dtype, sizes..., fold].

@@ -16,29 +16,49 @@ namespace fastmesh {
 namespace fused {
 
 // Reduce-scatters into `out` ([..., n_cols], its rows cut into pieces): for each piece, in order,
-// multiply_part(send_j, j, piece) fills send_j, the [rows, n_cols] part of the product bound for rank j,
-// for every rank j; then that piece's reduce-scatter starts while the next piece is multiplied.
+// multiply_part(send_j, j, piece, layout) fills send_j, the [rows, n_cols] part of the product bound for
+// rank j, for every rank j; then that piece's transfer starts while the next piece is multiplied. Over a
+// collective backend the transfer is a reduce-scatter; point-to-point (gloo), each rank receives the
+// others' partials of its block and sums them itself, in rank order, piece by piece as they arrive.
 template <typename MultiplyPart>
 void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::RowLayout& layout, int64_t n_cols,
                     int64_t chunks, const MultiplyPart& multiply_part) {
-  const int64_t world = group->getSize();
+  const int64_t world = group->getSize(), rank = group->getRank();
+  const bool p2p = point_to_point(group, out.device());
   const at::Tensor out_rows = out.view({-1, n_cols});
   const auto pieces = pipeline::split_units(
       layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * n_cols * out.element_size(), chunks));
-  std::vector<Work> works;
-  for (const pipeline::Piece& piece : pieces) {
+  std::vector<std::vector<Work>> works;
+  std::vector<at::Tensor> sends, receives;  // alive until their transfers end
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const pipeline::Piece& piece = pieces[i];
     const int64_t rows = piece.units() * layout.unit_rows;
+    at::Tensor result = out_rows.narrow(0, piece.unit_begin * layout.unit_rows, rows);
     if (world == 1) {  // nothing to reduce: multiply straight into the result
-      multiply_part(out_rows.narrow(0, piece.unit_begin * layout.unit_rows, rows), 0, piece, layout);
+      multiply_part(result, 0, piece, layout);
       continue;
     }
     at::Tensor send = at::empty({world, rows, n_cols}, out.options());
     for (int64_t j = 0; j < world; ++j) multiply_part(send[j], j, piece, layout);
-    at::Tensor flat_send = send.view({world * rows, n_cols});
-    at::Tensor received = out_rows.narrow(0, piece.unit_begin * layout.unit_rows, rows);
-    works.push_back(start_reduce_scatter_sum(group, received, flat_send));
+    if (p2p) {
+      receives.push_back(at::empty({world, rows, n_cols}, out.options()));
+      works.push_back(start_piece_exchange(group, send, receives.back(), static_cast<int>(i)));
+    } else {
+      at::Tensor flat_send = send.view({world * rows, n_cols});
+      works.push_back({start_reduce_scatter_sum(group, result, flat_send)});
+    }
+    sends.push_back(send);
   }
-  for (const Work& work : works) work->wait();
+  for (size_t i = 0; i < works.size(); ++i) {
+    for (const Work& work : works[i]) work->wait();
+    if (!p2p) continue;
+    // The reduction is ours: every rank sums its block's partials in rank order.
+    std::vector<at::Tensor> parts;
+    for (int64_t j = 0; j < world; ++j) parts.push_back(j == rank ? sends[i][rank] : receives[i][j]);
+    const pipeline::Piece& piece = pieces[i];
+    const int64_t rows = piece.units() * layout.unit_rows;
+    sum_in_order(out_rows.narrow(0, piece.unit_begin * layout.unit_rows, rows), parts);
+  }
 }
 
 // What both reduce-scatter ops do around their multiplies. Returns this rank's block of the reduced
