@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -48,6 +49,11 @@ inline void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& m
 // out = parts[0] + parts[1] + ... added in this order, so that every rank that adds the same parts in the
 // same order gets the same bits. bf16/fp16 parts are added in fp32 and rounded once.
 inline void sum_in_order(at::Tensor out, const std::vector<at::Tensor>& parts) {
+  if (parts.size() == 2) {
+    // One pass; a bf16/fp16 add computes in fp32 and rounds once, as the general path does.
+    at::add_out(out, parts[0], parts[1]);
+    return;
+  }
   const bool exact_dtype = out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble;
   at::Tensor sum = exact_dtype ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
   sum.copy_(parts[0]);

@@ -78,15 +78,16 @@ std::vector<Work> start_piece_gather(const Group& group, bool p2p, const at::Ten
   return works;
 }
 
-std::vector<Work> start_piece_exchange(const Group& group, const at::Tensor& send, const at::Tensor& received, int tag) {
+void start_piece_receives(const Group& group, const at::Tensor& received, int tag, std::vector<Work>& works) {
   const int64_t world = group->getSize(), rank = group->getRank();
-  std::vector<Work> works;
   for (int64_t step = 1; step < world; ++step) {
-    const int64_t to = (rank + step) % world, from = (rank - step + world) % world;
-    start_send(group, works, send[to], to, tag);
+    const int64_t from = (rank - step + world) % world;
     start_recv(group, works, received[from], from, tag);
   }
-  return works;
+}
+
+void start_piece_send(const Group& group, const at::Tensor& partial, int64_t to, int tag, std::vector<Work>& works) {
+  start_send(group, works, partial, to, tag);
 }
 
 namespace {

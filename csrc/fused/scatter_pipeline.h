@@ -39,11 +39,20 @@ void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::R
       continue;
     }
     at::Tensor send = at::empty({world, rows, n_cols}, out.options());
-    for (int64_t j = 0; j < world; ++j) multiply_part(send[j], j, piece, layout);
     if (p2p) {
+      // Receives first, then each peer's partial is sent as soon as it is computed (ring order, so
+      // that ranks do not all start on the same destination); this rank's own partial last.
       receives.push_back(at::empty({world, rows, n_cols}, out.options()));
-      works.push_back(start_piece_exchange(group, send, receives.back(), static_cast<int>(i)));
+      works.emplace_back();
+      start_piece_receives(group, receives.back(), static_cast<int>(i), works.back());
+      for (int64_t step = 1; step < world; ++step) {
+        const int64_t to = (rank + step) % world;
+        multiply_part(send[to], to, piece, layout);
+        start_piece_send(group, send[to], to, static_cast<int>(i), works.back());
+      }
+      multiply_part(send[rank], rank, piece, layout);
     } else {
+      for (int64_t j = 0; j < world; ++j) multiply_part(send[j], j, piece, layout);
       at::Tensor flat_send = send.view({world * rows, n_cols});
       works.push_back({start_reduce_scatter_sum(group, result, flat_send)});
     }
