@@ -27,18 +27,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
-import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from triton_interpreter import INTERPRETED, ROOT, run_module_under_interpreter
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAVE_CUDA = torch.cuda.is_available()
 
 pytestmark = [
@@ -53,19 +50,7 @@ needs_cuda = pytest.mark.skipif(not HAVE_CUDA or INTERPRETED, reason="needs a CU
 
 
 def test_kernels_under_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("already running under TRITON_INTERPRET=1")
-    # One intra-op thread: the interpreter is single-threaded numpy and the tensors are small.
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEP", str(pathlib.Path(__file__))]
-    try:
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the TRITON_INTERPRET=1 run timed out:\n{(error.stdout or '')[-6000:]}")
-    output = done.stdout + done.stderr
-    print(output[-12000:])
-    if done.returncode != 0 or " passed" not in done.stdout:
-        pytest.fail(f"the TRITON_INTERPRET=1 run failed (exit {done.returncode}):\n{output[-12000:]}")
+    run_module_under_interpreter(__file__)
 
 
 def _import_module():

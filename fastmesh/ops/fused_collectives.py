@@ -63,12 +63,11 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
-    from fastmesh.fp8.config import Float8Config
 from fastmesh import _cpp_lib
 from fastmesh.kernels.fused_reference import all_gather, reduce_scatter
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor
+from fastmesh.ops._checks import wrap_dim
 from fastmesh.ops._fused_common import (
     check_chunks,
     check_reduce_op,
@@ -80,9 +79,11 @@ from fastmesh.ops._fused_common import (
     rows,
     scattered_shape,
 )
-from fastmesh.ops._checks import wrap_dim
 from fastmesh.ops._library import qualified_name
 from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, check_config, matmul_reduce_scatter_fp8
+
+if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
+    from fastmesh.fp8.config import Float8Config
 
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

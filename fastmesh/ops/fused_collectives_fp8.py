@@ -48,9 +48,6 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
-    from fastmesh.fp8.config import Float8Config
-
 from fastmesh.ops._checks import FP8_DTYPES, wrap_dim
 from fastmesh.ops._fused_common import (
     check_chunks,
@@ -64,6 +61,9 @@ from fastmesh.ops._fused_common import (
 )
 from fastmesh.ops._library import qualified_name
 from fastmesh.ops.fp8 import quantize
+
+if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
+    from fastmesh.fp8.config import Float8Config
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GRANULARITIES = ("tensorwise", "rowwise")
