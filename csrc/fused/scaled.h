@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_mm.h>
 #include <c10/util/Exception.h>
+#include <torch/version.h>
 
 #include <string>
 #include <vector>
@@ -52,6 +53,11 @@ inline void check_out_dtype(at::ScalarType out_dtype, const char* op) {
 inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,
                             const at::Tensor& b_scale, at::ScalarType out_dtype, at::Tensor* out = nullptr) {
   const bool rowwise = a_scale.dim() > 0 || b_scale.dim() > 0;
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+  // Rather than _scaled_mm's internal assert.
+  TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || !a_rows.device().is_cpu(), "fastmesh: row-wise FP8 scales on CPU need torch "
+                              ">= 2.13 (torch ", TORCH_VERSION, "'s CPU _scaled_mm takes tensor-wise scales only)");
+#endif
   const at::Tensor sa = rowwise ? a_scale.expand({a_rows.size(0), 1}).contiguous() : a_scale;
   const at::Tensor sb = rowwise ? b_scale.expand({1, b.size(1)}).contiguous() : b_scale;
   if (out) return at::_scaled_mm_out(*out, a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);

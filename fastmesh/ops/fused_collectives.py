@@ -167,7 +167,8 @@ def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, chunks
 # ---- autograd ----
 
 def _all_gather_matmul_setup(ctx, inputs, output):
-    a_shard, bs, gather_dim, group_name, _return_a, chunks = inputs
+    a_shard, bs, gather_dim, group_name, *defaulted = inputs  # return_a, chunks (see _input_grads)
+    chunks = defaulted[1] if len(defaulted) > 1 else 0
     a_full, _ = output
     # Unused outputs (typically the gathered a, returned only for this backward) get no gradient rather
     # than zeros: no dead reduce-scatter term.
@@ -196,7 +197,13 @@ def _all_gather_matmul_backward(ctx, grad_a_full, grad_outs):
         a_full = a_saved if ctx.a_is_gathered else all_gather(a_saved.detach(), ctx.gather_dim, ctx.group_name)
         for g, i in grads:
             grad_bs[i] = rows(a_full).t() @ rows(g)
-    return grad_a_shard, grad_bs, None, None, None, None
+    return _input_grads(ctx, grad_a_shard, grad_bs)
+
+
+def _input_grads(ctx, *grads):
+    """``grads`` for the leading inputs, None for the rest. (torch 2.11 leaves trailing arguments equal to their
+    defaults out of the inputs autograd sees, so their count varies.)"""
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
 
 def _all_gather_matmul_input_grad(ctx, bs, grads, grad_a_full):
@@ -211,7 +218,8 @@ def _all_gather_matmul_input_grad(ctx, bs, grads, grad_a_full):
 
 
 def _matmul_reduce_scatter_setup(ctx, inputs, output):
-    a, b, scatter_dim, reduce_op, group_name, chunks = inputs
+    a, b, scatter_dim, reduce_op, group_name, *defaulted = inputs  # chunks (see _input_grads)
+    chunks = defaulted[0] if defaulted else 0
     ctx.scatter_dim = scatter_dim % a.dim()
     ctx.reduce_op = reduce_op
     ctx.group_name = group_name
@@ -233,7 +241,7 @@ def _matmul_reduce_scatter_backward(ctx, grad_out):
         grad_c = all_gather(grad_out.contiguous(), ctx.scatter_dim, ctx.group_name)
     if need_b:
         grad_b = rows(a).t() @ rows(grad_c)
-    return grad_a, grad_b, None, None, None, None
+    return _input_grads(ctx, grad_a, grad_b)
 
 
 torch.library.register_autograd(
