@@ -65,11 +65,12 @@ SPEEDUP_TARGET, BOUND_TARGET, RATIO_FOR_SPEEDUP = 1.15, 1.10, 0.25
 _TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
 
 
-def _tolerance(dtype, world, contraction):
+def _tolerance(dtype, world, sums_partials):
     rtol, atol = _TOLERANCES[dtype]
-    if contraction and dtype != torch.float32:
-        # Gathering the last dim: the fused op rounds each rank's partial product to the dtype before the
-        # fp32 sum (csrc/fused/all_gather_matmul.cpp, gather_contraction), W roundings more than one mm.
+    if sums_partials and dtype != torch.float32:
+        # A sum over ranks of low-precision partial products: each partial is rounded to the dtype, and
+        # gloo's reduce-scatter (the baseline) rounds after every addition too, where the fused op sums in
+        # fp32 and rounds once: up to W roundings apart.
         atol *= world
     return rtol, atol
 
@@ -192,7 +193,7 @@ def all_gather_matmul_contenders(case, dtype, group, chunk_counts):
     def check():
         _, got = fastmesh.all_gather_matmul(a_shard, bs, case.dim, group=group)
         unfused()
-        rtol, atol = _tolerance(dtype, world, contraction=dim == len(case.shape) - 1)
+        rtol, atol = _tolerance(dtype, world, sums_partials=dim == len(case.shape) - 1)
         for i, (g, want) in enumerate(zip(got, outs)):
             torch.testing.assert_close(g, want, rtol=rtol, atol=atol,
                                        msg=lambda m: f"rank {rank}, {case.label()}, output {i}: {m}")
@@ -230,7 +231,7 @@ def matmul_reduce_scatter_contenders(case, dtype, group, chunk_counts):
     def check():
         got = fastmesh.matmul_reduce_scatter(a, b, case.dim, group=group)
         unfused()
-        rtol, atol = _tolerance(dtype, world, contraction=False)
+        rtol, atol = _tolerance(dtype, world, sums_partials=True)
         torch.testing.assert_close(got, out, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank}, {case.label()}: {m}")
 
     partials = list(torch.empty_like(comm_send).chunk(world))

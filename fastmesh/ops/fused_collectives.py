@@ -35,8 +35,9 @@ matmul_reduce_scatter
 =========================  ==================================  ======================================
 
 Gathering the last dim splits the contraction: ``a @ b = sum_j a_shard_j @ b[rows of rank j]``, summed in
-rank order on every rank, so the replicated result is bitwise identical across ranks (bf16/fp16 partial
-products are summed in fp32). Scattering the last dim gives rank ``j`` the columns ``j*N/W:(j+1)*N/W``.
+rank order on every rank, so the replicated result is bitwise identical across ranks (bf16/fp16: each
+partial product is rounded to the dtype by its matmul, the partials are summed in fp32 and rounded once).
+The reduce-scatter sums the same way on gloo; on NCCL the backend's reduce-scatter sums. Scattering the last dim gives rank ``j`` the columns ``j*N/W:(j+1)*N/W``.
 
 Autograd (each op's backward is the other op; ``G_i`` the gradient of output i)::
 
