@@ -65,7 +65,9 @@ def _check_gather_case(rank, world, dtype, make, rows, k, gather_dim, nbs, retur
     shape = shard_shape(rows, k, gather_dim % 3)
     a_shard = make(shape, dtype, seed=100 + rank)
     k_full = k * world if gather_dim % 3 == 2 else k
-    bs = [make((k_full, 5 + 4 * i), dtype, seed=7 + i) for i in range(nbs)]
+    # Odd-numbered bs as transposed views (b = w.t() of a row-major w), the usual way weights arrive.
+    bs = [make((k_full, 5 + 4 * i), dtype, seed=7 + i) if i % 2 == 0 else make((5 + 4 * i, k_full), dtype, seed=7 + i).t()
+          for i in range(nbs)]
     got_a, got = fastmesh.all_gather_matmul(a_shard, bs, gather_dim, return_a=return_a, chunks=chunks or None)
     want_a, want = ref.all_gather_matmul(a_shard, bs, gather_dim, _world_name(), return_a=return_a)
     case = f"shard {shape}, gather_dim {gather_dim}, {nbs} bs, return_a {return_a}, chunks {chunks}"
@@ -117,6 +119,28 @@ def test_all_gather_matmul_large_shard():
     a, (out,) = fastmesh.all_gather_matmul(a_shard, bs, 0, return_a=True)
     want_a, (want,) = ref.all_gather_matmul(a_shard, bs, 0, _world_name(), return_a=True)
     assert torch.equal(a, want_a) and torch.equal(out, want)
+
+
+@on_ranks(2)
+def test_one_dim_and_empty_inputs():
+    """A 1-D shard (its only dim is the contraction) and shards with no rows or no columns."""
+    name = _world_name()
+    rank = dist.get_rank()
+    vector = small_ints((6,), torch.float32, seed=rank)
+    b = small_ints((12, 5), torch.float32, seed=1)
+    _, (got,) = fastmesh.all_gather_matmul(vector, [b], 0)
+    assert torch.equal(got, ref.all_gather_matmul(vector, [b], 0, name)[1][0])
+    got = fastmesh.matmul_reduce_scatter(vector, small_ints((6, 4), torch.float32, seed=2 + rank), 0)
+    assert torch.equal(got, ref.matmul_reduce_scatter(vector, small_ints((6, 4), torch.float32, seed=2 + rank), 0, "sum", name))
+    for shard in (torch.empty(0, 6), torch.empty(3, 0)):
+        bs = [torch.ones(shard.shape[1], 4)]
+        a, (got,) = fastmesh.all_gather_matmul(shard, bs, 0, return_a=True)
+        want_a, (want,) = ref.all_gather_matmul(shard, bs, 0, name, return_a=True)
+        assert torch.equal(a, want_a) and torch.equal(got, want)
+    got = fastmesh.matmul_reduce_scatter(torch.empty(0, 6), torch.ones(6, 4), 0)
+    assert got.shape == (0, 4)
+    got = fastmesh.matmul_reduce_scatter(torch.empty(4, 0), torch.ones(0, 4), 0)  # an empty sum: zeros
+    assert torch.equal(got, torch.zeros(2, 4))
 
 
 def _scatter_cases(world):
