@@ -32,7 +32,7 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
                         std::optional<at::Tensor>& a_full, int64_t chunks) {
   const int64_t world = group->getSize(), rank = group->getRank();
   const int64_t k = shard.size(-1);
-  const at::Tensor shard_rows = shard.view({-1, k});
+  const at::Tensor shard_rows = rows_view(shard);
   const RowLayout layout = pipeline::row_layout(shard_rows.sizes(), 1);  // units = rows
   GatheredPieces gathered(group, shard_rows, layout, chunks);
 
@@ -44,7 +44,7 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
     for (size_t i = 0; i < bs.size(); ++i) own[p].push_back(at::mm(shard_rows.narrow(0, piece.unit_begin, piece.units()), b_part(i, rank)));
   }
   std::vector<at::Tensor> out_rows;
-  for (const at::Tensor& out : outs) out_rows.push_back(out.view({-1, out.size(-1)}));
+  for (const at::Tensor& out : outs) out_rows.push_back(rows_view(out));
   at::Tensor a_parts;
   if (a_full) {
     a_parts = a_full->view({-1, world, k});

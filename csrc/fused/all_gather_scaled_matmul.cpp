@@ -66,6 +66,8 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   }
   const RowLayout layout = pipeline::row_layout(a_shard.sizes(), dim);
   if (layout.units == 0) return {a_full, a_scale_full, outs};
+  TORCH_CHECK_VALUE(k > 0, kOp, ": a_shard must have a non-empty last dim (scales per row of nothing), got shape ",
+                    a_shard.sizes());
 
   // The scales travel first, in one small all-gather, so that every piece's multiply can use them.
   const at::Tensor shard = a_shard.contiguous();
@@ -91,7 +93,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
                   scales_work->wait();
                   scales_arrived = true;
                 }
-                const at::Tensor a_rows = block_bytes.view(shard.scalar_type()).view({-1, k});
+                const at::Tensor a_rows = rows_view(block_bytes.view(shard.scalar_type()).flatten(0, 1));
                 const at::Tensor a_rows_scale = scale_of(j, piece);
                 for (size_t i = 0; i < bs.size(); ++i) {
                   scaled_mm_into(rank_block(out_blocks[i], layout, j, piece), a_rows, a_rows_scale, bs[i], b_scales[i]);

@@ -19,6 +19,14 @@
 namespace fastmesh {
 namespace fused {
 
+// `t` as a matrix [product of the leading dims, last dim] (a view; also for an empty last dim, where
+// view({-1, 0}) is ambiguous).
+inline at::Tensor rows_view(const at::Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) rows *= t.size(i);
+  return t.view({rows, t.size(-1)});
+}
+
 inline at::Tensor rank_blocks_view(const at::Tensor& t, const pipeline::RowLayout& layout, int64_t world) {
   return t.view({layout.outer, world, layout.inner, t.size(-1)});
 }

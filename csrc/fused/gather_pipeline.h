@@ -68,7 +68,7 @@ void gather_rows(const Group& group, const at::Tensor& shard, int64_t dim, const
   const int64_t world = group->getSize(), rank = group->getRank();
   const RowLayout layout = pipeline::row_layout(shard.sizes(), dim);
   const int64_t k = shard.size(-1);
-  GatheredPieces gathered(group, shard.view({-1, k}), layout, chunks);
+  GatheredPieces gathered(group, rows_view(shard), layout, chunks);
 
   const at::Tensor shard_block = shard.view({layout.outer, layout.inner, k});
   const Piece whole{0, layout.units};

@@ -39,7 +39,7 @@ at::Tensor matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64
   if (world == 1) return at::matmul(a, b);
 
   const at::Tensor a_dense = a.contiguous();
-  const at::Tensor a_rows = a_dense.view({-1, a.size(-1)});
+  const at::Tensor a_rows = rows_view(a_dense);
   at::Tensor a_blocks;  // [P, W, Q, K]: rank j's rows of the product come from rows of a_blocks[:, j]
   return reduce_scatter_product(
       group, a.sizes(), n, dim, a.options(), reduce_op, chunks, kOp,

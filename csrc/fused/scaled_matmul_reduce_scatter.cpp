@@ -43,7 +43,7 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
 
   const int64_t k = a.size(-1);
   const at::Tensor a_dense = a.contiguous();
-  const at::Tensor a_rows = a_dense.view({-1, k});
+  const at::Tensor a_rows = rows_view(a_dense);
   const at::Tensor a_scale_rows = a_rowwise_scale ? a_scale.contiguous().view({-1, 1}) : a_scale;
   at::Tensor a_blocks, scale_blocks;  // [P, W, Q, K] and [P, W, Q, 1] views (row blocks of the product)
   return reduce_scatter_product(

@@ -25,7 +25,7 @@ void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::R
                     int64_t chunks, const MultiplyPart& multiply_part) {
   const int64_t world = group->getSize(), rank = group->getRank();
   const bool p2p = point_to_point(group, out.device());
-  const at::Tensor out_rows = out.view({-1, n_cols});
+  const at::Tensor out_rows = rows_view(out);
   const auto pieces = pipeline::split_units(
       layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * n_cols * out.element_size(), chunks));
   std::vector<std::vector<Work>> works;
