@@ -18,8 +18,8 @@ namespace fused {
 using pipeline::Piece;
 using pipeline::RowLayout;
 
-// The received pieces, piece-major: piece i holds every rank's part of it as [world, rows_i, K] so that
-// each transfer is one plain all-gather into one contiguous buffer.
+// The received pieces, piece-major: piece i holds every rank's part of it as [world, rows_i, K], one
+// contiguous buffer per piece (the target of one all-gather, or of one receive per peer over gloo).
 struct GatheredPieces {
   std::vector<Piece> pieces;
   std::vector<at::Tensor> received;       // [world, rows, K] per piece
@@ -59,8 +59,8 @@ inline std::vector<int64_t> with_size(at::IntArrayRef sizes, int64_t dim, int64_
 }
 
 // gather_dim < last: every rank's rows are a block of the output rows; no cross-rank sums. Calls
-// multiply(rank, piece, rows) with rows the [B, rows, K] block of `shard_rows`'s dtype (the transport
-// dtype) that rank `rank` holds for `piece`: first the whole local shard, then the others' parts of each
+// multiply(rank, piece, rows) with rows the [B, rows, K] block of `shard`'s dtype (the transport dtype)
+// that rank `rank` holds for `piece`: first the whole local shard, then the others' parts of each
 // piece as it arrives. Copies every block into `a_blocks` ([P, W, Q, K] view of the gathered a) if given.
 template <typename MultiplyBlock>
 void gather_rows(const Group& group, const at::Tensor& shard, int64_t dim, const at::Tensor* a_blocks, int64_t chunks,
