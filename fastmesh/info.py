@@ -159,7 +159,8 @@ def format_report(report: dict[str, Any]) -> str:
     else:
         lines.append(f"fastmesh._C     NOT LOADED: {extension['error']}")
     lines += ["", "ops (dispatch keys with a kernel):"]
-    lines += [f"  {op:28s} {', '.join(keys)}" for op, keys in report["ops"].items()] or ["  (none)"]
+    width = max((len(op) for op in report["ops"]), default=0)
+    lines += [f"  {op:{width}s}  {', '.join(keys)}" for op, keys in report["ops"].items()] or ["  (none)"]
     cuda = report["cuda"]
     lines += ["", f"CUDA            torch built with {cuda['torch_cuda_version'] or 'no CUDA'}; "
               f"{len(cuda['devices'])} device(s) visible"]
