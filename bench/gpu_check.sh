@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One prepared run for a machine with an NVIDIA GPU: build fastmesh with its CUDA sources, run the GPU
+# checks and the CUDA tests, and write every log and result file to a folder.
+#
+#   bash bench/gpu_check.sh [OUT_DIR]          # OUT_DIR defaults to $OUT, else ./gpu_check_out
+#   FASTMESH_GPU_CHECK_QUICK=0 bash bench/gpu_check.sh   # the full checks (default: --quick)
+#
+# Steps (each logged to OUT_DIR/<step>.log, its exit status to OUT_DIR/status.txt):
+#   build      pip install --no-build-isolation --no-deps -e . (CUDA sources for the visible GPU's arch;
+#              the GPU machine has no package index, so nothing may be fetched)
+#   info       fastmesh info --json
+#   fp8-cuda   bench/gpu_check_fp8.py --impl cuda   (CUDA C++ quantize kernels: exactness, GB/s vs copy)
+#   fp8-triton bench/gpu_check_fp8.py --impl triton (the Triton kernels, the same checks)
+#   chunked    bench/gpu_check_chunked_matmul.py    (consumer GEMM: correctness, loopback, speed vs torch.mm)
+#   tests      pytest tests/test_chunked_matmul.py tests/test_fp8_triton.py (their CUDA tests run on a GPU)
+# Exit status: 2 without a GPU (nothing else runs), else 0 if every step passed, 1 otherwise.
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${1:-${OUT:-$ROOT/gpu_check_out}}"
+PY="${PYTHON:-python3}"
+QUICK_FLAG=$([ "${FASTMESH_GPU_CHECK_QUICK:-1}" = "1" ] && echo "--quick" || echo "")
+mkdir -p "$OUT_DIR"
+cd "$ROOT"
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check.sh: no CUDA device visible to torch; nothing to check" | tee "$OUT_DIR/status.txt" >&2
+  exit 2
+fi
+"$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" > "$OUT_DIR/device.txt" 2>&1
+nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
+
+failed=0
+step() {  # step NAME COMMAND...: run, log, record the status, keep going
+  local name="$1"; shift
+  local start=$SECONDS
+  "$@" > "$OUT_DIR/$name.log" 2>&1
+  local status=$?
+  echo "$name exit $status ($((SECONDS - start)) s)" | tee -a "$OUT_DIR/status.txt"
+  [ $status -eq 0 ] || failed=1
+  return $status
+}
+
+step build env FASTMESH_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -e . || { echo "build failed" >&2; exit 1; }
+step info "$PY" -m fastmesh info --json
+step fp8-cuda "$PY" bench/gpu_check_fp8.py --impl cuda $QUICK_FLAG
+step fp8-triton "$PY" bench/gpu_check_fp8.py --impl triton $QUICK_FLAG
+step chunked "$PY" bench/gpu_check_chunked_matmul.py $QUICK_FLAG --json "$OUT_DIR/chunked_matmul.json"
+step tests "$PY" -m pytest -q -rfEs tests/test_chunked_matmul.py tests/test_fp8_triton.py
+exit $failed
