@@ -52,7 +52,7 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
   }
   for (size_t p = 0; p < gathered.pieces.size(); ++p) {
     const Piece piece = gathered.pieces[p];
-    const at::Tensor& received = gathered.wait(p);
+    const std::vector<at::Tensor>& received = gathered.wait(p);
     for (size_t i = 0; i < bs.size(); ++i) {
       std::vector<at::Tensor> partials;
       for (int64_t j = 0; j < world; ++j) partials.push_back(j == rank ? own[p][i] : at::mm(received[j], b_part(i, j)));

@@ -60,20 +60,15 @@ void start_recv(const Group& group, std::vector<Work>& works, const at::Tensor& 
 
 }  // namespace
 
-std::vector<Work> start_piece_gather(const Group& group, bool p2p, const at::Tensor& mine, const at::Tensor& out,
-                                     int tag) {
+std::vector<Work> start_piece_exchange(const Group& group, const at::Tensor& mine, const std::vector<at::Tensor>& parts,
+                                       int tag) {
   const int64_t world = group->getSize(), rank = group->getRank();
   std::vector<Work> works;
-  if (!p2p) {
-    at::Tensor flat_out = out.view({-1, out.size(-1)});
-    at::Tensor input = mine;
-    works.push_back(start_all_gather(group, flat_out, input));
-    return works;
-  }
   // Peers in ring order from this rank, so that no rank is every rank's first destination.
   for (int64_t step = 1; step < world; ++step) {
-    start_send(group, works, mine, (rank + step) % world, tag);
-    start_recv(group, works, out[(rank - step + world) % world], (rank - step + world) % world, tag);
+    const int64_t to = (rank + step) % world, from = (rank - step + world) % world;
+    start_send(group, works, mine, to, tag);
+    start_recv(group, works, parts[from], from, tag);
   }
   return works;
 }

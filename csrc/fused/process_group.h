@@ -29,11 +29,11 @@ Work start_reduce_scatter_sum(const Group& group, at::Tensor& output, at::Tensor
 // ranks), and the transfer's CPU time is CPU the multiplies need. NCCL's collectives are bandwidth-optimal.
 bool point_to_point(const Group& group, const at::Device& device);
 
-// Starts the exchange of one all-gather piece: `mine` goes to every other rank and `out[j]` (of a
-// [world, rows, K] buffer) receives rank j's piece, for every j != rank (out[rank] is left alone with point-to-point,
-// which tells a call's pieces apart by `tag`).
-std::vector<Work> start_piece_gather(const Group& group, bool p2p, const at::Tensor& mine, const at::Tensor& out,
-                                     int tag);
+// Starts the point-to-point exchange of one all-gather piece: `mine` goes to every other rank and
+// parts[j] (contiguous, mine's shape) receives rank j's piece, for every j != rank. `tag` tells a call's
+// pieces apart.
+std::vector<Work> start_piece_exchange(const Group& group, const at::Tensor& mine, const std::vector<at::Tensor>& parts,
+                                       int tag);
 
 // Point-to-point transfers of one reduce-scatter piece (`tag` tells a call's pieces apart): the others'
 // partials of this rank's block are received into received[j] ([world, rows, N]; every j != rank), and
