@@ -515,3 +515,22 @@ def test_path_is_logged_once():
         "fastmesh.all_gather_matmul on cpu runs " + _fused_common._PATHS["cpu"],
         "fastmesh.matmul_reduce_scatter on cpu runs " + _fused_common._PATHS["cpu"],
     ], messages
+
+
+@on_ranks(2)
+def test_compile_dynamic_sequence_length():
+    """The fake impls take symbolic sizes: one dynamic graph serves several sequence lengths."""
+    rank = dist.get_rank()
+    torch._dynamo.reset()
+    frames = []
+
+    def counting_backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(_tp_block, fullgraph=True, dynamic=True, backend=counting_backend)
+    ws = [randn(s, torch.float32, seed=i) for i, s in enumerate([(8, 6), (8, 6), (6, 8)])]
+    for seq in (3, 5, 8):
+        x = randn((2, seq, 8), torch.float32, seed=rank + seq)
+        torch.testing.assert_close(compiled(x, *ws), _tp_block(x, *ws))
+    assert len(frames) == 1, f"{len(frames)} graphs for 3 sequence lengths"
