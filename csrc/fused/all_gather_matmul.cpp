@@ -9,7 +9,6 @@
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
-#include <torch/library.h>
 
 #include <optional>
 #include <string>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "register.h"
 #include "gather_pipeline.h"
 
 namespace fastmesh {
@@ -127,9 +127,4 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
 }  // namespace fused
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
-  m.impl("all_gather_matmul", &fastmesh::fused::all_gather_matmul);
-}
-TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {
-  m.impl("all_gather_matmul", &fastmesh::fused::all_gather_matmul);
-}
+FASTMESH_FUSED_KERNEL("all_gather_matmul", fastmesh::fused::all_gather_matmul)

@@ -3,7 +3,6 @@
 // multiply is a scaled matmul into a chosen output dtype. Rows only: gathering the contraction dim
 // would mix ranks' scales inside one dot product.
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <optional>
 #include <string>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "register.h"
 #include "gather_pipeline.h"
 #include "scaled.h"
 
@@ -113,9 +113,4 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
 }  // namespace fused
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
-  m.impl("all_gather_scaled_matmul", &fastmesh::fused::all_gather_scaled_matmul);
-}
-TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {
-  m.impl("all_gather_scaled_matmul", &fastmesh::fused::all_gather_scaled_matmul);
-}
+FASTMESH_FUSED_KERNEL("all_gather_scaled_matmul", fastmesh::fused::all_gather_scaled_matmul)

@@ -4,12 +4,12 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
-#include <torch/library.h>
 
 #include <string>
 #include <vector>
 
 #include "checks.h"
+#include "register.h"
 #include "scatter_pipeline.h"
 
 namespace fastmesh {
@@ -58,9 +58,4 @@ at::Tensor matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64
 }  // namespace fused
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
-  m.impl("matmul_reduce_scatter", &fastmesh::fused::matmul_reduce_scatter);
-}
-TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {
-  m.impl("matmul_reduce_scatter", &fastmesh::fused::matmul_reduce_scatter);
-}
+FASTMESH_FUSED_KERNEL("matmul_reduce_scatter", fastmesh::fused::matmul_reduce_scatter)

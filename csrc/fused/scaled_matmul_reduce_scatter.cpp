@@ -1,12 +1,12 @@
 // fastmesh::scaled_matmul_reduce_scatter: the FP8 form of matmul_reduce_scatter. The multiplies are scaled
 // matmuls of FP8 operands into `out_dtype`; the product travels and is reduced in `out_dtype` (summing
 // FP8-rounded partial products would add an error per rank).
-#include <torch/library.h>
 
 #include <string>
 #include <vector>
 
 #include "checks.h"
+#include "register.h"
 #include "scaled.h"
 #include "scatter_pipeline.h"
 
@@ -73,9 +73,4 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
 }  // namespace fused
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
-  m.impl("scaled_matmul_reduce_scatter", &fastmesh::fused::scaled_matmul_reduce_scatter);
-}
-TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {
-  m.impl("scaled_matmul_reduce_scatter", &fastmesh::fused::scaled_matmul_reduce_scatter);
-}
+FASTMESH_FUSED_KERNEL("scaled_matmul_reduce_scatter", fastmesh::fused::scaled_matmul_reduce_scatter)
