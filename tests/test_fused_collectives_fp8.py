@@ -213,7 +213,7 @@ def test_fp8_bad_inputs():
     ]
     if not ROWWISE_ON_CPU:
         cases.append((lambda: ag(a, torch.ones(4, 1), [b], [one], 0, name, torch.bfloat16), NotImplementedError,
-                      r"row-wise FP8 scales on CPU need torch >= 2.13"))
+                      r"all_gather_scaled_matmul: row-wise FP8 scales on CPU need torch >= 2.13"))
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()

@@ -33,7 +33,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   const int64_t dim = wrap_dim(gather_dim, a_shard.dim(), kOp, "gather_dim", "a_shard");
   TORCH_CHECK_VALUE(dim != a_shard.dim() - 1, kOp, ": the FP8 form gathers rows: gather_dim must not be the last dim (",
                     gather_dim, " for a_shard with ", a_shard.dim(), " dims), since ranks' scales cannot share a dot product");
-  check_scale(a_scale, a_shard, rowwise_sizes(a_shard.sizes()), kOp, "a_scale", "a_shard");
+  bool any_rowwise = check_scale(a_scale, a_shard, rowwise_sizes(a_shard.sizes()), kOp, "a_scale", "a_shard");
   check_out_dtype(out_dtype, kOp);
   check_chunks(chunks, kOp);
   TORCH_CHECK_VALUE(!bs.empty(), kOp, ": bs must hold at least one matrix, got an empty list");
@@ -46,8 +46,9 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
                       a_shard.device(), ", got ", bs[i].device());
     TORCH_CHECK_VALUE(bs[i].size(0) == a_shard.size(-1), kOp, ": ", arg, " must have ", a_shard.size(-1),
                       " rows (the last dim of a_shard), got shape ", bs[i].sizes());
-    check_scale(b_scales[i], bs[i], {1, bs[i].size(1)}, kOp, "b_scales[" + std::to_string(i) + "]", arg);
+    any_rowwise |= check_scale(b_scales[i], bs[i], {1, bs[i].size(1)}, kOp, "b_scales[" + std::to_string(i) + "]", arg);
   }
+  check_scales_supported(any_rowwise, a_shard.device(), kOp);
   const Group group = resolve_group(group_name, kOp);
   const int64_t world = group->getSize(), rank = group->getRank();
   check_same_shape_on_all_ranks(group, a_shard, kOp, "a_shard");
@@ -73,7 +74,8 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   const at::Tensor shard = a_shard.contiguous();
   at::Tensor scale_shard = a_scale.contiguous().view({-1});
   at::Tensor scales = at::empty({world * scale_shard.numel()}, a_scale.options());
-  const Work scales_work = world > 1 ? start_all_gather(group, scales, scale_shard) : Work();
+  InFlight scales_transfer;
+  if (world > 1) scales_transfer.add({start_all_gather(group, scales, scale_shard)});
   if (world == 1) scales.copy_(scale_shard);
   bool scales_arrived = world == 1;
   const bool rowwise = a_scale.dim() > 0;
@@ -90,7 +92,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   gather_rows(group, shard.view(at::kByte), dim, a_full ? &a_bytes : nullptr, chunks,
               [&](int64_t j, Piece piece, const at::Tensor& block_bytes) {
                 if (j != rank && !scales_arrived) {
-                  scales_work->wait();
+                  scales_transfer.wait(0);
                   scales_arrived = true;
                 }
                 const at::Tensor a_rows = rows_view(block_bytes.view(shard.scalar_type()).flatten(0, 1));
@@ -99,7 +101,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
                   scaled_mm_into(rank_block(out_blocks[i], layout, j, piece), a_rows, a_rows_scale, bs[i], b_scales[i]);
                 }
               });
-  if (!scales_arrived) scales_work->wait();
+  if (!scales_arrived) scales_transfer.wait(0);
   if (a_scale_full) {
     // Row-wise scales of the gathered a: per-rank tensor-wise scales are expanded to their rows.
     const at::Tensor per_rank = rowwise ? scales.view({world, layout.outer, layout.inner, 1}).permute({1, 0, 2, 3})

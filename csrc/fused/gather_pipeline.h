@@ -58,11 +58,11 @@ class GatheredPieces {
         }
       }
       if (p2p) {
-        works_.push_back(start_piece_exchange(group, mine, piece_parts, static_cast<int>(i)));
+        works_.add(start_piece_exchange(group, mine, piece_parts, static_cast<int>(i)));
       } else {
         at::Tensor flat_out = buffer.view({world * rows, k});
         at::Tensor in = mine;
-        works_.push_back({start_all_gather(group, flat_out, in)});
+        works_.add({start_all_gather(group, flat_out, in)});
       }
       parts_.push_back(std::move(piece_parts));
     }
@@ -70,13 +70,13 @@ class GatheredPieces {
 
   // Rank j's part of piece i, for every j, once piece i has arrived.
   const std::vector<at::Tensor>& wait(size_t i) {
-    for (const Work& work : works_[i]) work->wait();
+    works_.wait(i);
     return parts_[i];
   }
 
  private:
   std::vector<std::vector<at::Tensor>> parts_;
-  std::vector<std::vector<Work>> works_;
+  InFlight works_;
 };
 
 inline std::vector<int64_t> with_size(at::IntArrayRef sizes, int64_t dim, int64_t size) {

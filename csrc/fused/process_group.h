@@ -41,6 +41,41 @@ std::vector<Work> start_piece_exchange(const Group& group, const at::Tensor& min
 void start_piece_receives(const Group& group, const at::Tensor& received, int tag, std::vector<Work>& works);
 void start_piece_send(const Group& group, const at::Tensor& partial, int64_t to, int tag, std::vector<Work>& works);
 
+// Transfers started by a pipeline, one group of works per piece. Whatever is still pending when it goes
+// out of scope is waited for: an error part-way through a pipeline (an exception from a multiply) must not
+// leave transfers in flight on the group, or the group's next operation would take their messages. Errors
+// of those late waits are dropped: the exception already unwinding is the one to report.
+class InFlight {
+ public:
+  InFlight() = default;
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+  ~InFlight() {
+    for (size_t i = 0; i < works_.size(); ++i) {
+      if (waited_[i]) continue;
+      for (const Work& work : works_[i]) {
+        try {
+          work->wait();
+        } catch (...) {
+        }
+      }
+    }
+  }
+  void add(std::vector<Work> works) {
+    works_.push_back(std::move(works));
+    waited_.push_back(false);
+  }
+  void wait(size_t i) {
+    waited_[i] = true;
+    for (const Work& work : works_[i]) work->wait();
+  }
+  size_t size() const { return works_.size(); }
+
+ private:
+  std::vector<std::vector<Work>> works_;
+  std::vector<bool> waited_;
+};
+
 // Errors on every rank, naming the op, the argument and each rank's shape, unless `tensor` has the same
 // shape and dtype on every rank of `group`. A transfer of mismatched sizes is not an error gloo reports:
 // it aborts the receiving process (an uncatchable C++ exception on its I/O thread) and hands the sender

@@ -43,6 +43,16 @@ inline bool check_scale(const at::Tensor& scale, const at::Tensor& data, std::ve
   return rowwise;
 }
 
+// Checked with the arguments, before any transfer starts: a multiply that fails half-way through a
+// pipeline leaves the other ranks waiting for pieces that never come (until the group's timeout).
+inline void check_scales_supported(bool rowwise, const at::Device& device, const char* op) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+  // Rather than _scaled_mm's internal assert.
+  TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || !device.is_cpu(), op, ": row-wise FP8 scales on CPU need torch >= 2.13 "
+                              "(torch ", TORCH_VERSION, "'s CPU _scaled_mm takes tensor-wise scales only)");
+#endif
+}
+
 inline void check_out_dtype(at::ScalarType out_dtype, const char* op) {
   TORCH_CHECK_TYPE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf, op,
                    ": out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got ", torch_dtype_name(out_dtype));
@@ -53,11 +63,6 @@ inline void check_out_dtype(at::ScalarType out_dtype, const char* op) {
 inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,
                             const at::Tensor& b_scale, at::ScalarType out_dtype, at::Tensor* out = nullptr) {
   const bool rowwise = a_scale.dim() > 0 || b_scale.dim() > 0;
-#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
-  // Rather than _scaled_mm's internal assert.
-  TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || !a_rows.device().is_cpu(), "fastmesh: row-wise FP8 scales on CPU need torch "
-                              ">= 2.13 (torch ", TORCH_VERSION, "'s CPU _scaled_mm takes tensor-wise scales only)");
-#endif
   const at::Tensor sa = rowwise ? a_scale.expand({a_rows.size(0), 1}).contiguous() : a_scale;
   const at::Tensor sb = rowwise ? b_scale.expand({1, b.size(1)}).contiguous() : b_scale;
   if (out) return at::_scaled_mm_out(*out, a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);

@@ -31,6 +31,7 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
   a_rowwise.back() = 1;
   const bool a_rowwise_scale = check_scale(a_scale, a, a_rowwise, kOp, "a_scale", "a");
   const bool b_rowwise_scale = check_scale(b_scale, b, {1, b.size(1)}, kOp, "b_scale", "b");
+  check_scales_supported(a_rowwise_scale || b_rowwise_scale, a.device(), kOp);
   const int64_t dim = wrap_dim(scatter_dim, a.dim(), kOp, "scatter_dim", "a");
   check_reduce_op(reduce_op, kOp);
   check_out_dtype(out_dtype, kOp);

@@ -28,8 +28,8 @@ void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::R
   const at::Tensor out_rows = rows_view(out);
   const auto pieces = pipeline::split_units(
       layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * n_cols * out.element_size(), chunks));
-  std::vector<std::vector<Work>> works;
-  std::vector<at::Tensor> sends, receives;  // alive until their transfers end
+  std::vector<at::Tensor> sends, receives;  // alive until their transfers end (declared before `works`)
+  InFlight works;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const pipeline::Piece& piece = pieces[i];
     const int64_t rows = piece.units() * layout.unit_rows;
@@ -43,23 +43,29 @@ void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::R
       // Receives first, then each peer's partial is sent as soon as it is computed (ring order, so
       // that ranks do not all start on the same destination); this rank's own partial last.
       receives.push_back(at::empty({world, rows, n_cols}, out.options()));
-      works.emplace_back();
-      start_piece_receives(group, receives.back(), static_cast<int>(i), works.back());
+      std::vector<Work> piece_works;
+      start_piece_receives(group, receives.back(), static_cast<int>(i), piece_works);
       for (int64_t step = 1; step < world; ++step) {
         const int64_t to = (rank + step) % world;
-        multiply_part(send[to], to, piece, layout);
-        start_piece_send(group, send[to], to, static_cast<int>(i), works.back());
+        try {
+          multiply_part(send[to], to, piece, layout);
+        } catch (...) {
+          works.add(std::move(piece_works));  // the receives already posted are drained too
+          throw;
+        }
+        start_piece_send(group, send[to], to, static_cast<int>(i), piece_works);
       }
+      works.add(std::move(piece_works));
       multiply_part(send[rank], rank, piece, layout);
     } else {
       for (int64_t j = 0; j < world; ++j) multiply_part(send[j], j, piece, layout);
       at::Tensor flat_send = send.view({world * rows, n_cols});
-      works.push_back({start_reduce_scatter_sum(group, result, flat_send)});
+      works.add({start_reduce_scatter_sum(group, result, flat_send)});
     }
     sends.push_back(send);
   }
   for (size_t i = 0; i < works.size(); ++i) {
-    for (const Work& work : works[i]) work->wait();
+    works.wait(i);
     if (!p2p) continue;
     // The reduction is ours: every rank sums its block's partials in rank order.
     std::vector<at::Tensor> parts;
