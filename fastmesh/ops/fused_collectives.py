@@ -55,7 +55,9 @@ reduce-scatter.
 
 Every rank must pass the same shapes. On CPU the ops check it (one small all-gather) because gloo aborts
 the process on a size mismatch; on CUDA that check would cost a device sync per call, so there it runs
-only with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+only with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. Arguments are checked before any transfer starts; as with any
+collective, a rank that fails or never calls leaves the others waiting until the group's timeout, and an op
+that fails part-way waits for the transfers it started before it raises (so that none is left in flight).
 """
 
 from __future__ import annotations
