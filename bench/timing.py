@@ -4,15 +4,19 @@ import statistics
 import time
 
 
-def time_interleaved(candidates, repeats, sync):
-    """Seconds per call of each candidate, run round-robin so that drifts hit every candidate alike."""
+def time_interleaved(candidates, repeats, sync, sync_after=None):
+    """Seconds per call of each candidate, run round-robin so that drifts hit every candidate alike.
+
+    ``sync()`` runs before each call starts and ``sync_after()`` (default: ``sync``) before its clock stops.
+    """
+    sync_after = sync if sync_after is None else sync_after
     timings = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
             sync()
             start = time.perf_counter()
             fn()
-            sync()
+            sync_after()
             timings[name].append(time.perf_counter() - start)
     return timings
 
@@ -31,13 +35,7 @@ def time_interleaved_ranks(candidates, repeats, barrier, slowest):
     all-reduce MAX), called once per candidate after all repetitions so that no extra collective runs
     between timed calls. For CUDA work, make each candidate synchronize its stream before returning.
     """
-    timings = {name: [] for name in candidates}
     if repeats <= 0:
-        return timings
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            barrier()
-            start = time.perf_counter()
-            fn()
-            timings[name].append(time.perf_counter() - start)
+        return {name: [] for name in candidates}
+    timings = time_interleaved(candidates, repeats, barrier, sync_after=lambda: None)
     return {name: slowest(samples) for name, samples in timings.items()}

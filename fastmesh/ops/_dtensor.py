@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fastmesh.mesh import group_name
 from fastmesh.ops._checks import wrap_dim
 
 
@@ -49,8 +50,6 @@ def _mesh_of(t: DTensor, op: str, arg: str):
 def _check_group(group, mesh, op: str) -> None:
     if group is None:
         return
-    from fastmesh.mesh import group_name
-
     if group_name(group) != group_name(mesh):
         raise ValueError(f"{op}: group names a different group than the DTensor's mesh {mesh}; pass group=None")
 

@@ -179,7 +179,6 @@ def _all_gather_matmul_setup(ctx, inputs, output):
     ctx.gather_dim = gather_dim % a_shard.dim()
     ctx.group_name = group_name
     ctx.chunks = chunks
-    ctx.shard_shape = a_shard.shape
     ctx.num_bs = len(bs)
     ctx.bs_need_grad = any(b.requires_grad for b in bs)
     # For the bs' gradients: the gathered a, or the shard to gather again in backward when the op was
