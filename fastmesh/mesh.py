@@ -329,6 +329,8 @@ def _axis_group_name(mesh: DeviceMesh, axis: str) -> str:
 
 
 def _registered_group_name(name: str) -> str:
+    if torch.compiler.is_compiling():  # the registry is not traceable; the op resolves the name when it runs
+        return name
     try:
         _resolve_process_group(name)
     except RuntimeError:

@@ -1,0 +1,136 @@
+"""What the fused styles share: argument checks, parameter sharding, and moving tensors between DTensor and
+the local tensors the fused ops take. Nothing numerical happens here."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
+
+logger = logging.getLogger("fastmesh.parallel")
+
+# What the FP8 fronts can quantize from and multiply back into (torch._scaled_mm's output dtypes).
+FP8_MODULE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, *args) -> None:
+    """Say once per process that a fused path was not taken (and why)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def check_sequence_placement(placement, style: str, arg: str, allow_replicate: bool) -> Placement:
+    """A sequence placement keyword: ``Shard(dim)`` (any dim but the last, checked on the tensor), or
+    ``Replicate()`` where the style takes it."""
+    if isinstance(placement, Shard) or (allow_replicate and isinstance(placement, Replicate)):
+        return placement
+    expected = "Shard(sequence_dim) or Replicate()" if allow_replicate else "Shard(sequence_dim)"
+    raise ValueError(f"{style}: {arg} must be {expected}, got {placement!r}")
+
+
+def check_fp8(config, style: str):
+    """The ``fp8`` keyword: None or a Float8Config the fused fronts can run (current scaling, tensor-wise or
+    row-wise), checked when the style is built rather than at the first forward."""
+    if config is None:
+        return None
+    from fastmesh.ops.fused_collectives_fp8 import check_config
+
+    return check_config(config, style)
+
+
+def check_mesh(mesh: DeviceMesh, style: str) -> None:
+    if mesh.ndim != 1:
+        raise ValueError(f"{style}: parallelize_module must be given a 1-D device mesh (the TP axis, e.g. mesh['tp']), "
+                         f"got a {mesh.ndim}-D mesh with axes {mesh.mesh_dim_names}")
+
+
+def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_features: str, fp8) -> nn.Linear:
+    """``module`` is an ``nn.Linear`` whose ``sharded_features`` divide by the TP degree and whose dtype the
+    fp8 config (if any) can serve."""
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"{style}: {what} must be an nn.Linear, got {type(module).__name__}")
+    tp = mesh.size()
+    features = getattr(module, sharded_features)
+    if features % tp:
+        raise ValueError(f"{style}: {what}.{sharded_features}={features} must be divisible by the TP degree {tp}")
+    if isinstance(module.weight, DTensor):
+        raise ValueError(f"{style}: {what} is already parallelized (its weight is a DTensor placed "
+                         f"{module.weight.placements}); apply one style per linear")
+    if fp8 is not None and module.weight.dtype not in FP8_MODULE_DTYPES:
+        raise TypeError(f"{style}: fp8 cannot serve {what}'s dtype {module.weight.dtype}: FP8 matmuls produce "
+                        "float32, bfloat16 or float16; convert the module or drop fp8")
+    return module
+
+
+def shard_parameters(module: nn.Linear, mesh: DeviceMesh, weight: Placement, bias: Placement,
+                     src_data_rank: Optional[int]) -> None:
+    """Replace the weight and bias with DTensors placed as torch's Colwise/RowwiseParallel place them, so that
+    state dicts are interchangeable with the native plan's."""
+    for name, placement in (("weight", weight), ("bias", bias)):
+        param = getattr(module, name)
+        if param is None:
+            continue
+        sharded = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def local_parameter(module: nn.Linear, name: str, style: str, what: str) -> Optional[torch.Tensor]:
+    """This rank's TP shard of a parameter (differentiable: its gradient lands on the DTensor parameter)."""
+    param = getattr(module, name)
+    if not isinstance(param, DTensor):
+        return param
+    if param.device_mesh.ndim != 1:
+        # FSDP2 unshards a 2-D (dp, tp) parameter to its TP shard in the pre-forward of the module it wraps;
+        # a fused call that reads a sibling's weights from the parent runs before that.
+        raise RuntimeError(
+            f"{style}: {what}.{name} is still sharded over a {param.device_mesh.ndim}-D mesh when the fused matmul "
+            "runs; apply fully_shard to a module that contains all the fused linears (e.g. the block), not to "
+            "the linears themselves")
+    return param.to_local()
+
+
+def sequence_dim(placement: Shard, x: torch.Tensor, style: str, what: str) -> int:
+    """The non-negative dim a ``Shard`` placement names on ``x``: a sequence dim, not the last (the features)."""
+    dim = placement.dim
+    if not -x.dim() <= dim < x.dim() or dim % x.dim() == x.dim() - 1:
+        raise ValueError(f"{style}: {what} Shard({dim}) must name a sequence dim of the {x.dim()}-D tensor "
+                         f"(any dim but the last, the features), got shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def local_input(x, mesh: DeviceMesh, layout: Placement, style: str) -> tuple[torch.Tensor | DTensor, Placement]:
+    """The input as the style will use it, and its placement: a DTensor's own placement wins over
+    ``input_layouts`` (which only annotates plain tensors, as in torch's styles). A sharded input comes back
+    as its local shard; a replicated one as a DTensor (the matmul then runs as torch's ColwiseParallel)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{style}: the module's first input must be a tensor, got {type(x).__name__}")
+    if not isinstance(x, DTensor):
+        if isinstance(layout, Replicate):
+            return DTensor.from_local(x, mesh, [layout], run_check=False), layout
+        return x, layout
+    if x.device_mesh != mesh:
+        raise ValueError(f"{style}: the input DTensor's mesh {x.device_mesh} is not the style's mesh {mesh}")
+    placement = x.placements[0]
+    if isinstance(placement, Replicate):
+        return x, placement
+    if isinstance(placement, Shard):
+        dim = placement.dim % x.dim()
+        if x.shape[dim] % mesh.size():
+            raise ValueError(f"{style}: the input's sequence length {x.shape[dim]} (dim {dim}) must be divisible by "
+                             f"the TP degree {mesh.size()}")
+        return x.to_local(), Shard(dim)
+    raise ValueError(f"{style}: the input DTensor must be placed Shard(sequence_dim) or Replicate(), got {placement!r}")
+
+
+def output(local: torch.Tensor, mesh: DeviceMesh, placement: Placement, use_local_output: bool):
+    if use_local_output:
+        return local
+    return DTensor.from_local(local, mesh, [placement], run_check=False)

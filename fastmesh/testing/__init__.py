@@ -1,0 +1,1 @@
+"""Test and example models (not part of the op contract)."""
