@@ -124,7 +124,10 @@ void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor,
 
   at::Tensor send = on_cpu ? mine : mine.to(tensor.device());
   at::Tensor all = at::empty({world * kShapeSlots}, send.options());
-  start_all_gather(group, all, send)->wait();
+  {
+    RECORD_USER_SCOPE("fastmesh::check_shapes");
+    start_all_gather(group, all, send)->wait();
+  }
   const at::Tensor gathered = all.cpu();
   const int64_t* theirs = gathered.const_data_ptr<int64_t>();
   bool same = true;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
 #include <c10/util/string_view.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -65,7 +66,9 @@ class InFlight {
     works_.push_back(std::move(works));
     waited_.push_back(false);
   }
+  // Named in profiles: the time a pipeline is blocked on communication (exposed, not overlapped).
   void wait(size_t i) {
+    RECORD_USER_SCOPE("fastmesh::wait_transfer");
     waited_[i] = true;
     for (const Work& work : works_[i]) work->wait();
   }
