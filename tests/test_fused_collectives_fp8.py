@@ -134,6 +134,24 @@ def test_fp8_fronts_track_high_precision_forward_and_backward():
             assert db > floor, f"{granularity}, backward_in_fp8={backward_in_fp8}: {label} SQNR {db:.1f} dB"
 
 
+@on_ranks(2)
+def test_fp8_front_gathered_a_gradient_passes_straight_through():
+    """The dequantized gathered a that the fp8 front returns is differentiable: its gradient is reduce-scattered
+    into a_shard's (added to the products' terms), exactly as the high-precision op's gathered a."""
+    rank, name = dist.get_rank(), _world_name()
+    granularity = "rowwise" if ROWWISE_ON_CPU else "tensorwise"
+    weight_of_a = randn((2, 16, 32), torch.float32, seed=7 + rank)  # differs per rank: a partial gradient
+    for use_products in (False, True):
+        x = randn((2, 8, 32), torch.float32, seed=rank).requires_grad_()
+        b = randn((32, 24), torch.float32, seed=1)
+        a, (c,) = fastmesh.all_gather_matmul(x, [b], 1, return_a=True, fp8=Float8Config(granularity=granularity))
+        loss = (a * weight_of_a).sum() + (c.sum() if use_products else 0)
+        loss.backward()
+        want = ref.reduce_scatter(weight_of_a + (torch.ones_like(c) @ b.t() if use_products else 0), 1, name)
+        # The products' term is computed from the same b in the input dtype: exact up to fp32 summation order.
+        torch.testing.assert_close(x.grad, want, rtol=1e-6, atol=1e-5)
+
+
 # opcheck's test_schema compares inputs before and after the call with arithmetic that float8 tensors do
 # not support on CPU ("mul_cpu_reduced_float" not implemented), so the FP8 ops run the other checks and
 # the no-mutation check is done here on the raw bytes.

@@ -7,6 +7,8 @@ import logging
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from fastmesh.kernels.fused_reference import reduce_scatter
+
 logger = logging.getLogger("fastmesh.ops")
 
 REDUCE_OPS = ("sum", "avg")
@@ -82,3 +84,12 @@ def input_grad_operands(bs, grads) -> tuple[torch.Tensor, torch.Tensor]:
         g, i = grads[0]
         return g, bs[i].t()
     return torch.cat([g for g, _ in grads], dim=-1), torch.cat([bs[i] for _, i in grads], dim=1).t()
+
+
+def reduce_scatter_gathered_grad(grad_a_full, bs, grads, gather_dim: int, group_name: str) -> torch.Tensor:
+    """a_shard's gradient when the gathered a (returned by an all-gather + matmul op) has a gradient of its own:
+    the matmul terms added to it, then one plain reduce-scatter (nothing is left to fuse a matmul into)."""
+    total = grad_a_full
+    for g, i in grads:
+        total = total + g @ bs[i].t()
+    return reduce_scatter(total.contiguous(), gather_dim, group_name)

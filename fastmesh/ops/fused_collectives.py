@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from fastmesh import _cpp_lib
-from fastmesh.kernels.fused_reference import all_gather, reduce_scatter
+from fastmesh.kernels.fused_reference import all_gather
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor
 from fastmesh.ops._checks import wrap_dim
@@ -79,6 +79,7 @@ from fastmesh.ops._fused_common import (
     group_size,
     input_grad_operands,
     log_path_once,
+    reduce_scatter_gathered_grad,
     rows,
     scattered_shape,
 )
@@ -210,11 +211,7 @@ def _input_grads(ctx, *grads):
 
 def _all_gather_matmul_input_grad(ctx, bs, grads, grad_a_full):
     if grad_a_full is not None:
-        # The gathered a has a gradient of its own: add the matmul terms to it, then one reduce-scatter.
-        total = grad_a_full
-        for g, i in grads:
-            total = total + g @ bs[i].t()
-        return reduce_scatter(total.contiguous(), ctx.gather_dim, ctx.group_name)
+        return reduce_scatter_gathered_grad(grad_a_full, bs, grads, ctx.gather_dim, ctx.group_name)
     grad_c, b_t = input_grad_operands(bs, grads)
     return torch.ops.fastmesh.matmul_reduce_scatter(grad_c, b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.chunks)
 
@@ -292,8 +289,9 @@ def all_gather_matmul(
         fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to run in FP8:
             ``a_shard`` travels as FP8 plus scales and the multiplies are scaled matmuls into a's dtype
             (``fastmesh/ops/fused_collectives_fp8.py`` has the recipe and its backward). Rows only
-            (``gather_dim`` not the last dim); the returned ``a`` is then the dequantized FP8 gather and
-            carries no gradient.
+            (``gather_dim`` not the last dim); the returned ``a`` is then the dequantized FP8 gather, whose
+            gradient passes straight through the quantization (added to the products' terms in the input
+            dtype, then one reduce-scatter).
 
     Returns:
         ``(a or None, [a @ b for b in bs])``.

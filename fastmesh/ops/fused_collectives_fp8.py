@@ -56,6 +56,7 @@ from fastmesh.ops._fused_common import (
     gathered_shape,
     group_size,
     input_grad_operands,
+    reduce_scatter_gathered_grad,
     rows,
     scattered_shape,
 )
@@ -209,17 +210,20 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
         ctx.dtype = a_shard.dtype
         ctx.save_for_backward(a_full, a_full_scale, *bs)
         ctx.mark_non_differentiable(a_full, a_full_scale)
+        # An unused output (the gathered a, or one of several products) gets no gradient, not zeros.
+        ctx.set_materialize_grads(False)
         gathered = _dequantize(a_full, a_full_scale, a_shard.dtype) if return_a else None
-        if gathered is not None:
-            ctx.mark_non_differentiable(gathered)
         return (gathered, *outs)
 
     @staticmethod
-    def backward(ctx, _grad_gathered, *grad_outs):
+    def backward(ctx, grad_gathered, *grad_outs):
         a_full, a_full_scale, *bs = ctx.saved_tensors
         grads = [(g, i) for i, g in enumerate(grad_outs) if g is not None]
         grad_a = None
-        if ctx.needs_input_grad[5] and grads:
+        if ctx.needs_input_grad[5] and grad_gathered is not None:
+            # The gathered a's own gradient passes straight through the quantization (as FP8 training does).
+            grad_a = reduce_scatter_gathered_grad(grad_gathered, bs, grads, ctx.gather_dim, ctx.group_name)
+        elif ctx.needs_input_grad[5] and grads:
             grad_c, b_t = input_grad_operands(bs, grads)
             if ctx.config.backward_in_fp8:
                 g_data, g_scale = _quantize_rows(grad_c, ctx.config.grad_dtype, ctx.config)

@@ -227,10 +227,15 @@ def _colwise_forward(style: FusedColwiseParallel, mesh: DeviceMesh, what: str):
     return forward
 
 
+# The outputs of one fused call ride on the gathered input they were computed from, so that each sibling finds
+# its own by its argument alone: no state outside the call, which compiled activation checkpointing forbids.
+_SIBLING_OUTPUTS = "_fastmesh_sibling_outputs"
+
+
 class _Siblings:
     """The linears of a parent under ``FusedColwiseParallel(linears=...)``: the parent's forward pre-hook runs
-    one fused gather + matmuls and hands the parent the gathered input; each linear, called with that input,
-    returns its output; the forward hook drops them (autograd keeps what the backward needs)."""
+    one fused gather + matmuls and hands the parent the gathered input, carrying the linears' outputs; each
+    linear called with that input returns its output."""
 
     def __init__(self, style: FusedColwiseParallel, mesh: DeviceMesh, parent: nn.Module):
         self.style, self.mesh = style, mesh
@@ -249,8 +254,8 @@ class _Siblings:
         # The parent's rank 0 in the group keeps the gradient of replicated uses of the gathered input, so
         # that the reduce-scatter of the fused op's backward counts it once.
         self.keeps_replicated_grad = mesh.get_local_rank() == 0
-        self.gathered: Optional[DTensor] = None
-        self.outputs: dict[str, object] = {}
+        # Eager only: the gathered input of the call in progress, to recognize aliases of it (below).
+        self.eager_gathered: Optional[DTensor] = None
         for name, linear in self.named_linears:
             shard_parameters(linear, mesh, Shard(0), Shard(0), style.src_data_rank)
             linear.forward = types.MethodType(self._linear_forward(name), linear)
@@ -259,7 +264,6 @@ class _Siblings:
         if not args:
             raise TypeError(f"{_COLWISE}(linears={self.style.linears}): {type(parent).__name__}'s input must be its "
                             "first positional argument")
-        self.release()
         x, placement = local_input(args[0], self.mesh, self.style.input_layouts[0], _COLWISE)
         if isinstance(placement, Replicate):
             if self.style.fp8 is not None:
@@ -268,32 +272,36 @@ class _Siblings:
             return (x, *args[1:]), kwargs
         a, outs = self.style._multiply(self.mesh, self.named_linears, x, placement, return_a=True)
         a = _CountReplicatedGradOnce.apply(a, self.keeps_replicated_grad)
-        self.gathered = DTensor.from_local(a, self.mesh, [Replicate()], run_check=False)
-        self.outputs = {name: out for (name, _), out in zip(self.named_linears, outs)}
-        return (self.gathered, *args[1:]), kwargs
+        gathered = DTensor.from_local(a, self.mesh, [Replicate()], run_check=False)
+        setattr(gathered, _SIBLING_OUTPUTS, {name: out for (name, _), out in zip(self.named_linears, outs)})
+        if not torch.compiler.is_compiling():
+            self.eager_gathered = gathered
+        return (gathered, *args[1:]), kwargs
 
     def release(self, *_hook_args) -> None:
-        self.gathered, self.outputs = None, {}
+        if not torch.compiler.is_compiling() and self.eager_gathered is not None:
+            # A gathered input kept past the call must not hand out outputs of weights that have since changed.
+            delattr(self.eager_gathered, _SIBLING_OUTPUTS)
+            self.eager_gathered = None
 
-    def _is_gathered(self, x) -> bool:
-        gathered = self.gathered
-        if gathered is None:
-            return False
-        if x is gathered:
-            return True
-        if torch.compiler.is_compiling() or not isinstance(x, DTensor):
-            return False
+    def _outputs_for(self, x) -> Optional[dict]:
+        outputs = getattr(x, _SIBLING_OUTPUTS, None)
+        gathered = self.eager_gathered
+        if outputs is not None or gathered is None or not isinstance(x, DTensor):
+            return outputs
         # A module with backward hooks (e.g. under CommDebugMode) gets an alias of its input, not the object:
         # the same data, so the precomputed output is still its output.
         mine, theirs = x._local_tensor, gathered._local_tensor
-        return (x.placements == gathered.placements and mine.data_ptr() == theirs.data_ptr()
+        same = (x.placements == gathered.placements and mine.data_ptr() == theirs.data_ptr()
                 and mine.shape == theirs.shape and mine.stride() == theirs.stride() and mine.dtype == theirs.dtype)
+        return getattr(gathered, _SIBLING_OUTPUTS) if same else None
 
     def _linear_forward(self, name: str):
         def forward(linear: nn.Linear, x):
-            if self._is_gathered(x):
-                return self.outputs[name]
-            if self.gathered is not None and not torch.compiler.is_compiling():
+            outputs = self._outputs_for(x)
+            if outputs is not None:
+                return outputs[name]
+            if self.eager_gathered is not None:
                 warn_once(f"{id(self)}.{name}", "%s: %s was called with an input other than the gathered input of its "
                           "parent, so it runs on its own (no shared gather)", _COLWISE, name)
             x, placement = local_input(x, self.mesh, self.style.input_layouts[0], _COLWISE)
@@ -399,7 +407,8 @@ def _rowwise_forward(style: FusedRowwiseParallel, mesh: DeviceMesh):
         if linear.bias is None:
             return output(out, mesh, placement, style.use_local_output)
         # The bias is replicated and each rank adds it to its own rows: as a DTensor op, its gradient (a sum
-        # over rows that differ per rank) is all-reduced, as torch's SequenceParallel does for norm weights.
+        # over rows that differ per rank) is a Partial DTensor, reduced where it is used (the optimizer step),
+        # as for the norm weights under torch's SequenceParallel.
         out = DTensor.from_local(out, mesh, [placement], run_check=False) + linear.bias
         return out.to_local() if style.use_local_output else out
 
