@@ -350,11 +350,15 @@ def metadata(args, world, threads):
     }
 
 
-def print_header(meta):
+def print_machine(meta):
     print(f"machine: {meta['machine']}; load average {' '.join(f'{x:.2f}' for x in meta['load_average'])}")
     v = meta["versions"]
     print(f"versions: fastmesh {v['fastmesh']}, torch {v['torch']}, python {v['python']}; commit {meta['commit']}")
     print(f"command: {meta['command']}" + "".join(f" {k}={v}" for k, v in meta["fastmesh_env"].items()))
+
+
+def print_header(meta):
+    print_machine(meta)
     print(f"world {meta['world']} ({meta['backend']}), {meta['threads_per_rank']} intra-op thread(s) per rank; "
           f"{meta['repeats']} interleaved repetitions after {meta['warmup']} warm-up; times in ms of the slowest rank, "
           "median ±IQR")
@@ -415,17 +419,18 @@ def run(group, args, world):
         print(f"\nwrote {args.json}")
 
 
-def spawned_rank(rank, world, store_path, args):
+def spawned_rank(rank, world, store_path, args, body):
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        run(dist.group.WORLD, args, world)
+        body(dist.group.WORLD, args, world)
     finally:
         dist.destroy_process_group()
 
 
-def launch(args):
-    """Starts ``args.world`` local ranks, or joins torchrun's group when RANK / WORLD_SIZE are set."""
+def launch(args, body):
+    """Starts ``args.world`` local ranks, or joins torchrun's group when RANK / WORLD_SIZE are set; every rank
+    runs ``body(group, args, world)`` (a module-level function: spawned ranks receive it pickled)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if args.world not in (None, world):
@@ -433,14 +438,14 @@ def launch(args):
         _warn_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", world)), args.threads)
         dist.init_process_group("gloo")
         try:
-            run(dist.group.WORLD, args, world)
+            body(dist.group.WORLD, args, world)
         finally:
             dist.destroy_process_group()
         return
     world = args.world or 2
     _warn_oversubscribed(world, args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(spawned_rank, args=(world, os.path.join(tmp, "store"), args), nprocs=world)
+        mp.spawn(spawned_rank, args=(world, os.path.join(tmp, "store"), args, body), nprocs=world)
 
 
 def _warn_oversubscribed(local_ranks, threads):
@@ -488,7 +493,7 @@ def main():
         # exec, not a child process: under torchrun the rank keeps its pid and environment.
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC_ENV})
     start = time.perf_counter()
-    launch(args)
+    launch(args, run)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"total {time.perf_counter() - start:.0f} s", flush=True)
 

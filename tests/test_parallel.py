@@ -188,6 +188,7 @@ def test_colwise_input_layouts_and_dtensor_outputs():
             torch.testing.assert_close(out, _shard(want, -1), rtol=1e-12, atol=1e-12, msg=label)
 
 
+@pytest.mark.smoke
 @on_ranks(2)
 def test_bias_gradients_reach_every_rank():
     """Rowwise: the replicated bias is added once after the reduction, and its gradient (a sum over every

@@ -16,16 +16,18 @@ the main thread are:
 gloo's own ``gloo:*`` events are left out: they span a transfer from its start to its completion, mostly on
 gloo's threads (and, for send/recv, on the main thread while it computes), so they are not blocking time.
 Events nest (``fastmesh::check_shapes`` holds a ``c10d::_allgather_base_``; a functional collective holds its
-c10d op), so the blocked time is the length of the union of their intervals, never the sum of durations.
+c10d op), so the blocked time is the length of the union of their intervals (the outermost events' durations),
+never the sum of all durations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
-__all__ = ["STEP_EVENT", "cpu_profile", "is_blocking_comm", "step_comm_times"]
+__all__ = ["STEP_EVENT", "StepComm", "cpu_profile", "is_blocking_comm", "step_comm_times"]
 
 STEP_EVENT = "step"  # wrap each profiled step in torch.profiler.record_function(STEP_EVENT)
 
@@ -45,29 +47,37 @@ def is_blocking_comm(name: str) -> bool:
     return name.startswith(_BLOCKING_PREFIXES) or name in _BLOCKING_NAMES
 
 
-def step_comm_times(prof: torch.profiler.profile, step_event: str = STEP_EVENT) -> list[tuple[float, float]]:
-    """(duration, exposed communication), in seconds, of each ``step_event`` range in the trace, in order.
+@dataclasses.dataclass
+class StepComm:
+    """One profiled step: its duration and its exposed communication (seconds), in total and by the name of the
+    outermost blocking event (``fastmesh::wait_transfer``, ``_c10d_functional::wait_tensor``, ``c10d::send`` ...)."""
+
+    duration: float
+    exposed: float
+    by_name: dict[str, float]
+
+
+def step_comm_times(prof: torch.profiler.profile, step_event: str = STEP_EVENT) -> list[StepComm]:
+    """The duration and exposed communication of each ``step_event`` range in the trace, in order.
 
     A step's exposed communication is the union of the blocking-communication events (see the module
     docstring) that lie inside the step's time range on the step's own thread (the main thread; on CPU the
-    autograd engine runs the backward there too)."""
+    autograd engine runs the backward there too). Events on one thread nest, so the union is the sum of the
+    outermost ones, and each is attributed to its own name."""
     events = list(prof.events())
     steps = sorted((e for e in events if e.name == step_event), key=lambda e: e.time_range.start)
-    comm = sorted(((e.thread, e.time_range.start, e.time_range.end) for e in events if is_blocking_comm(e.name)),
-                  key=lambda t: t[1])
-    times = []
+    # Outer events first where two start together, so that a nested one finds the outer one's reach.
+    comm = sorted(((e.time_range.start, -e.time_range.end, e.thread, e.name) for e in events
+                   if is_blocking_comm(e.name)))
+    result = []
     for step in steps:
         start, end = step.time_range.start, step.time_range.end
-        inside = [(s, e) for thread, s, e in comm if thread == step.thread and start <= s and e <= end]
-        times.append(((end - start) * 1e-6, _union_length(inside) * 1e-6))
-    return times
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by intervals sorted by start (nested or overlapping ones counted once)."""
-    total, reach = 0.0, float("-inf")
-    for start, end in intervals:
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+        by_name, reach = {}, float("-inf")
+        for begin, neg_finish, thread, name in comm:
+            finish = -neg_finish
+            if thread != step.thread or begin < start or finish > end or finish <= reach:
+                continue  # another thread, outside the step, or nested in an event already counted
+            by_name[name] = by_name.get(name, 0.0) + (finish - max(begin, reach)) * 1e-6
+            reach = finish
+        result.append(StepComm((end - start) * 1e-6, sum(by_name.values()), by_name))
+    return result
