@@ -487,15 +487,19 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
+def run_main(args, body):
+    """A benchmark's main: the allocator settings, then every rank runs ``body``; rank 0 prints the total time."""
     if any(os.environ.get(k) != v for k, v in _MALLOC_ENV.items()):
         # exec, not a child process: under torchrun the rank keeps its pid and environment.
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC_ENV})
     start = time.perf_counter()
-    launch(args, run)
+    launch(args, body)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def main():
+    run_main(parse_args(), run)
 
 
 if __name__ == "__main__":

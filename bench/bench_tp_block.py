@@ -35,15 +35,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import parallelize_module
 
 import fastmesh
-from bench_fused_collectives import DTYPES, _MALLOC_ENV, _collectives, _exchange, launch, metadata, print_machine
+from bench_fused_collectives import DTYPES, _collectives, _exchange, metadata, print_machine, run_main
 from fastmesh.testing.comm_profile import STEP_EVENT, cpu_profile, step_comm_times
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
 from timing import median_iqr, time_interleaved_ranks
@@ -313,14 +311,7 @@ def parse_args():
 
 
 def main():
-    args = parse_args()
-    if any(os.environ.get(k) != v for k, v in _MALLOC_ENV.items()):
-        # exec, not a child process: under torchrun the rank keeps its pid and environment.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC_ENV})
-    start = time.perf_counter()
-    launch(args, run)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+    run_main(parse_args(), run)
 
 
 if __name__ == "__main__":
