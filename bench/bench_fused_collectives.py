@@ -283,6 +283,13 @@ def measure(case, dtype, group, args):
     build = all_gather_matmul_contenders if case.op == "all_gather_matmul" else matmul_reduce_scatter_contenders
     contenders, check = build(case, dtype, group, chunk_counts)
     check()
+    timings = time_slowest_rank(contenders, group, args.warmup, args.repeats)
+    return timings, chunk_counts, _cpu_fraction(contenders["p2p"], group)
+
+
+def time_slowest_rank(contenders, group, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Interleaved timings of every contender on every rank of ``group`` (after ``warmup`` untimed rounds):
+    {name: [seconds of the slowest rank per repetition]}."""
 
     def slowest(samples):
         t = torch.tensor(samples, dtype=torch.float64)
@@ -290,9 +297,8 @@ def measure(case, dtype, group, args):
         return t.tolist()
 
     barrier = lambda: dist.barrier(group=group)  # noqa: E731
-    time_interleaved_ranks(contenders, args.warmup, barrier, slowest)
-    timings = time_interleaved_ranks(contenders, args.repeats, barrier, slowest)
-    return timings, chunk_counts, _cpu_fraction(contenders["p2p"], group)
+    time_interleaved_ranks(contenders, warmup, barrier, slowest)
+    return time_interleaved_ranks(contenders, repeats, barrier, slowest)
 
 
 def summarize(timings, fused_name, p2p_cpu_fraction):

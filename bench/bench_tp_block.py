@@ -41,10 +41,10 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import parallelize_module
 
 import fastmesh
-from bench_fused_collectives import DTYPES, _collectives, _exchange, metadata, print_machine, run_main
+from bench_fused_collectives import DTYPES, _collectives, _exchange, metadata, print_machine, run_main, time_slowest_rank
 from fastmesh.testing.comm_profile import STEP_EVENT, cpu_profile, step_comm_times
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
-from timing import median_iqr, time_interleaved_ranks
+from timing import median_iqr
 
 SPEEDUP_TARGET, RATIO_FOR_TARGET = 1.10, 0.25
 PLANS = ("native", "fastmesh")
@@ -159,15 +159,7 @@ def profile_step(step, group, steps):
 def measure(shape, dtype, mesh, args):
     group = mesh.get_group()
     contenders = {**block_steps(shape, dtype, mesh), **comm_contenders(shape, dtype, group)}
-
-    def slowest(samples):
-        t = torch.tensor(samples, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t.tolist()
-
-    barrier = lambda: dist.barrier(group=group)  # noqa: E731
-    time_interleaved_ranks(contenders, args.warmup, barrier, slowest)
-    timings = time_interleaved_ranks(contenders, args.repeats, barrier, slowest)
+    timings = time_slowest_rank(contenders, group, args.warmup, args.repeats)
     profiles = {plan: profile_step(contenders[plan], group, args.profile_steps) for plan in PLANS}
     return timings, profiles
 
