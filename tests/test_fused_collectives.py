@@ -264,19 +264,27 @@ def _collectives(fn) -> dict[str, int]:
     return counts
 
 
-GATHER, SEND, RECV = "c10d::_allgather_base_", "c10d::send", "c10d::recv_"
+SEND, RECV = "c10d::send", "c10d::recv_"
 
 
 def _pieces(world: int, pieces: int) -> dict[str, int]:
     """What the transfer of `pieces` pieces costs on gloo: each piece goes point-to-point to and from every
-    other rank, after the shape check (one small all-gather)."""
-    return {GATHER: 1, SEND: pieces * (world - 1), RECV: pieces * (world - 1)}
+    other rank. (The shape check, one small all-gather, runs on an op's first call on a group only: the tests
+    call each op once before they count.)"""
+    return {SEND: pieces * (world - 1), RECV: pieces * (world - 1)}
+
+
+def _check_shapes_once():
+    """Runs both ops once on the world group, so that their first-call shape check is behind us."""
+    fastmesh.all_gather_matmul(torch.randn(2, 4), [torch.randn(4, 2)], 0)
+    fastmesh.matmul_reduce_scatter(torch.randn(4, 4), torch.randn(4, 2), 0)
 
 
 @on_ranks(2, 4)
 def test_one_pipelined_gather_per_call_whatever_the_number_of_bs(world_size):
     """A call moves its pieces once, the same for 1 or 3 bs. Its backward moves the pieces of one
     reduce-scatter and gathers nothing: the gathered a was kept from the forward."""
+    _check_shapes_once()
     a_shard = torch.randn(12, 16, requires_grad=True)
     for nbs in (1, 3):
         bs = [torch.randn(16, 4, requires_grad=True) for _ in range(nbs)]
@@ -290,6 +298,7 @@ def test_one_pipelined_gather_per_call_whatever_the_number_of_bs(world_size):
 @pytest.mark.smoke
 @on_ranks(2)
 def test_reduce_scatter_backward_is_one_pipelined_gather(world_size):
+    _check_shapes_once()
     a = torch.randn(8, 16, requires_grad=True)
     b = torch.randn(16, 6, requires_grad=True)
     result = {}
@@ -477,14 +486,30 @@ def _call_cpu_kernel(op, *args):
 
 @on_ranks(2, 4)
 def test_shard_shapes_that_differ_across_ranks_raise_on_every_rank():
-    rank = dist.get_rank()
-    a = torch.randn(3 + rank, 4)  # gloo would abort the receiving process on such a transfer
-    with pytest.raises(ValueError, match=r"a_shard must have the same shape and dtype on every rank of the group, "
-                                         r"got:\n  rank 0: shape \[3, 4\] torch.float32\n  rank 1: shape \[4, 4\] torch.float32"):
-        fastmesh.all_gather_matmul(a, [torch.randn(4, 2)], 0)
-    b = torch.randn(4, 2 * (1 + rank))
-    with pytest.raises(ValueError, match=r"a @ b must have the same shape and dtype on every rank"):
-        fastmesh.matmul_reduce_scatter(torch.randn(8, 4), b, 0)
+    """The first call of an op on a group checks the shapes (and so does the next, until one passes), and every
+    call does with TORCH_DISTRIBUTED_DEBUG=DETAIL (unchecked, gloo would abort the receiving process on such a
+    transfer)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def mismatched_calls(group):
+        a = torch.randn(3 + rank, 4)
+        for return_a in (False, True):
+            with pytest.raises(ValueError, match=r"a_shard must have the same shape and dtype on every rank of the "
+                                                 r"group, got:\n  rank 0: shape \[3, 4\] torch.float32\n  rank 1: "
+                                                 r"shape \[4, 4\] torch.float32"):
+                fastmesh.all_gather_matmul(a, [torch.randn(4, 2)], 0, group=group, return_a=return_a)
+        b = torch.randn(4, 2 * (1 + rank))
+        with pytest.raises(ValueError, match=r"a @ b must have the same shape and dtype on every rank"):
+            fastmesh.matmul_reduce_scatter(torch.randn(8, 4), b, 0, group=group)
+
+    mismatched_calls(dist.new_group(list(range(world))))  # first calls on a new group
+    previous = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        fastmesh.all_gather_matmul(torch.randn(3, 4), [torch.randn(4, 2)], 0)  # passes
+        mismatched_calls(dist.group.WORLD)
+    finally:
+        dist.set_debug_level(previous)
     # The group is still usable afterwards.
     t = torch.ones(1)
     dist.all_reduce(t)

@@ -8,6 +8,8 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/debug.h>
 
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -102,11 +104,35 @@ std::string describe(const int64_t* slots) {
 
 }  // namespace
 
+namespace {
+
+std::mutex checked_mutex;
+std::set<std::string> checked_calls;  // group name / op / argument whose first call passed the check
+
+std::string call_key(const Group& group, const char* op, const char* arg) {
+  return group->getGroupName() + "/" + op + "/" + arg;
+}
+
+// Every rank takes the same decision: the ranks of a group call its ops in the same order (as for any
+// collective), so a call is the first of its op and argument on the group on every rank or on none.
+bool checks_this_call(const Group& group, const at::Tensor& tensor, const char* op, const char* arg) {
+  if (c10d::debug_level() == c10d::DebugLevel::Detail) return true;
+  if (!tensor.device().is_cpu()) return false;
+  std::lock_guard<std::mutex> lock(checked_mutex);
+  return checked_calls.count(call_key(group, op, arg)) == 0;
+}
+
+void passed_check(const Group& group, const char* op, const char* arg) {
+  std::lock_guard<std::mutex> lock(checked_mutex);
+  checked_calls.insert(call_key(group, op, arg));
+}
+
+}  // namespace
+
 void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor, const char* op, const char* arg) {
   const int64_t world = group->getSize();
-  if (world == 1) return;
+  if (world == 1 || !checks_this_call(group, tensor, op, arg)) return;
   const bool on_cpu = tensor.device().is_cpu();
-  if (!on_cpu && c10d::debug_level() != c10d::DebugLevel::Detail) return;
 
   at::Tensor mine = at::zeros({kShapeSlots}, at::kLong);
   int64_t* slots = mine.mutable_data_ptr<int64_t>();
@@ -132,7 +158,10 @@ void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor,
   const int64_t* theirs = gathered.const_data_ptr<int64_t>();
   bool same = true;
   for (int64_t i = 0; i < world * kShapeSlots; ++i) same = same && theirs[i] == slots[i % kShapeSlots];
-  if (same) return;
+  if (same) {
+    passed_check(group, op, arg);
+    return;
+  }
   std::ostringstream ranks;
   for (int64_t r = 0; r < world; ++r) ranks << "\n  rank " << r << ": " << describe(theirs + r * kShapeSlots);
   TORCH_CHECK_VALUE(false, op, ": ", arg, " must have the same shape and dtype on every rank of the group, got:",
