@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 
 import pytest
@@ -135,9 +136,8 @@ def test_linear_pair_small_integers_bit_exact(world_size):
     """Values in {-1, 0, 1} keep every product and sum an integer below 256: exact in fp32 and bf16 whatever the
     summation order, so any difference is a wrong row, block, bias or gradient term."""
     mesh = _tp_mesh()
-    plan = {"up": FusedColwiseParallel(), "down": FusedRowwiseParallel()}
-    for dtype, (seq_dim, shape) in [(dt, case) for dt in (torch.float32, torch.bfloat16)
-                                    for case in ((1, (2, 3 * world_size, 12)), (0, (5 * world_size, 12)))]:
+    cases = ((1, (2, 3 * world_size, 12)), (0, (5 * world_size, 12)))  # (sequence dim, shape)
+    for dtype, (seq_dim, shape) in itertools.product((torch.float32, torch.bfloat16), cases):
         unsharded = _integer_pair(12, 2 * world_size, dtype, seed=10)
         x = _small_ints(shape, 20, -1, 2, dtype)
         grad_out = _small_ints(shape, 21, -1, 2, dtype)
@@ -146,7 +146,7 @@ def test_linear_pair_small_integers_bit_exact(world_size):
 
         styles = {"up": FusedColwiseParallel(input_layouts=Shard(seq_dim)),
                   "down": FusedRowwiseParallel(output_layouts=Shard(seq_dim))}
-        pair = parallelize_module(copy.deepcopy(unsharded), mesh, styles if seq_dim != 1 else plan)
+        pair = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
         xs = _shard(x, seq_dim).requires_grad_()
         y = pair(xs)
         (y * _shard(grad_out, seq_dim)).sum().backward()
@@ -384,10 +384,11 @@ def test_compiled_block_matches_eager_in_one_graph():
         torch._dynamo.reset()
         compiled = torch.compile(run, fullgraph=True, backend=counter, dynamic=True)
         torch._dynamo.utils.counters.clear()
+        frames_after_first = None
         for seq_len in (8, 12, 16):
             want = step(run, seq_len)
             got = step(compiled, seq_len)
-            frames_after_first = frames_after_first if seq_len != 8 else counter.frame_count
+            frames_after_first = frames_after_first or counter.frame_count
             tolerance = dict(rtol=0, atol=0) if backend == "aot_eager" else TOLERANCE
             for label, g, w in zip(("output", "grad x"), got[:2], want[:2]):
                 torch.testing.assert_close(g, w, **tolerance, msg=lambda m: f"{backend}: {label}: {m}")

@@ -12,10 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-logger = logging.getLogger("fastmesh.parallel")
+from fastmesh.ops.fused_collectives_fp8 import OUT_DTYPES, check_config
 
-# What the FP8 fronts can quantize from and multiply back into (torch._scaled_mm's output dtypes).
-FP8_MODULE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+logger = logging.getLogger("fastmesh.parallel")
 
 _warned: set[str] = set()
 
@@ -39,11 +38,7 @@ def check_sequence_placement(placement, style: str, arg: str, allow_replicate: b
 def check_fp8(config, style: str):
     """The ``fp8`` keyword: None or a Float8Config the fused fronts can run (current scaling, tensor-wise or
     row-wise), checked when the style is built rather than at the first forward."""
-    if config is None:
-        return None
-    from fastmesh.ops.fused_collectives_fp8 import check_config
-
-    return check_config(config, style)
+    return None if config is None else check_config(config, style)
 
 
 def check_mesh(mesh: DeviceMesh, style: str) -> None:
@@ -64,7 +59,7 @@ def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_featur
     if isinstance(module.weight, DTensor):
         raise ValueError(f"{style}: {what} is already parallelized (its weight is a DTensor placed "
                          f"{module.weight.placements}); apply one style per linear")
-    if fp8 is not None and module.weight.dtype not in FP8_MODULE_DTYPES:
+    if fp8 is not None and module.weight.dtype not in OUT_DTYPES:
         raise TypeError(f"{style}: fp8 cannot serve {what}'s dtype {module.weight.dtype}: FP8 matmuls produce "
                         "float32, bfloat16 or float16; convert the module or drop fp8")
     return module
@@ -106,18 +101,23 @@ def sequence_dim(placement: Shard, x: torch.Tensor, style: str, what: str) -> in
     return dim % x.dim()
 
 
+def is_dtensor_input(x, mesh: DeviceMesh, style: str) -> bool:
+    """Whether the module's input ``x`` is a DTensor (then on the style's mesh); raises for a non-tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{style}: the module's input must be a tensor, got {type(x).__name__}")
+    if isinstance(x, DTensor) and x.device_mesh != mesh:
+        raise ValueError(f"{style}: the input DTensor's mesh {x.device_mesh} is not the style's mesh {mesh}")
+    return isinstance(x, DTensor)
+
+
 def local_input(x, mesh: DeviceMesh, layout: Placement, style: str) -> tuple[torch.Tensor | DTensor, Placement]:
     """The input as the style will use it, and its placement: a DTensor's own placement wins over
     ``input_layouts`` (which only annotates plain tensors, as in torch's styles). A sharded input comes back
     as its local shard; a replicated one as a DTensor (the matmul then runs as torch's ColwiseParallel)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{style}: the module's first input must be a tensor, got {type(x).__name__}")
-    if not isinstance(x, DTensor):
+    if not is_dtensor_input(x, mesh, style):
         if isinstance(layout, Replicate):
             return DTensor.from_local(x, mesh, [layout], run_check=False), layout
         return x, layout
-    if x.device_mesh != mesh:
-        raise ValueError(f"{style}: the input DTensor's mesh {x.device_mesh} is not the style's mesh {mesh}")
     placement = x.placements[0]
     if isinstance(placement, Replicate):
         return x, placement

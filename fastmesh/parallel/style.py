@@ -72,6 +72,7 @@ from fastmesh.parallel._common import (
     check_linear,
     check_mesh,
     check_sequence_placement,
+    is_dtensor_input,
     local_input,
     local_parameter,
     output,
@@ -304,12 +305,9 @@ class _Siblings:
             if self.eager_gathered is not None:
                 warn_once(f"{id(self)}.{name}", "%s: %s was called with an input other than the gathered input of its "
                           "parent, so it runs on its own (no shared gather)", _COLWISE, name)
-            x, placement = local_input(x, self.mesh, self.style.input_layouts[0], _COLWISE)
-            if isinstance(placement, Replicate):
-                return self.style._replicated(linear, x)
-            _, (out,) = self.style._multiply(self.mesh, [(name, linear)], x, placement, return_a=False)
-            return out
+            return alone(linear, x)
 
+        alone = _colwise_forward(self.style, self.mesh, name)
         return forward
 
 
@@ -416,12 +414,8 @@ def _rowwise_forward(style: FusedRowwiseParallel, mesh: DeviceMesh):
 
 
 def _rowwise_local_input(x, mesh: DeviceMesh) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{_ROWWISE}: the module's input must be a tensor, got {type(x).__name__}")
-    if not isinstance(x, DTensor):
+    if not is_dtensor_input(x, mesh, _ROWWISE):
         return x
-    if x.device_mesh != mesh:
-        raise ValueError(f"{_ROWWISE}: the input DTensor's mesh {x.device_mesh} is not the style's mesh {mesh}")
     placement = x.placements[0]
     if not (isinstance(placement, Shard) and placement.dim % x.dim() == x.dim() - 1):
         raise ValueError(f"{_ROWWISE}: the input DTensor must be placed Shard(-1) (features sharded, a colwise "
