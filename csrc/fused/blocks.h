@@ -53,7 +53,7 @@ inline at::Tensor folded_rows(const at::Tensor& t) {
 // out[i] = a[i] @ mat for every batch entry, written in place: `out` may be strided in its batch and row
 // dims (BLAS takes the leading dimension as it is, no temporary). On CPU one mm when the batch folds into the
 // rows, else one mm per entry: bmm would take `mat` expanded over the batch, which CPU bmm copies into a
-// contiguous [batch, K, N] tensor for bf16/fp16 (measured: ~15% of a bf16 Llama block step in copies) and
+// contiguous [batch, K, N] tensor for bf16/fp16 (profiled: ~13% of a bf16 Llama block step in copies) and
 // runs slower than mm for fp32. CUDA's batched GEMM takes the zero batch stride as it is.
 inline void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& mat) {
   if (out.is_cuda()) {

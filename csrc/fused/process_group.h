@@ -83,7 +83,7 @@ class InFlight {
 // shape and dtype on every rank of `group`. A transfer of mismatched sizes is not an error gloo reports:
 // it aborts the receiving process (an uncatchable C++ exception on its I/O thread) and hands the sender
 // garbage. The check is one small all-gather, but also a barrier at the start of every op: measured on a
-// 2-rank Llama block step, checking every call made the fused plan ~20% slower (each op waited for the
+// 2-rank Llama block step, checking every call made the fused plan ~25% slower (each op waited for the
 // slower rank instead of overlapping the wait with its local multiply). So it runs on the first call of each
 // op and argument on each CPU group, and on every call (CPU or CUDA) with TORCH_DISTRIBUTED_DEBUG=DETAIL;
 // otherwise equal shapes are the caller's duty, as for torch's own collectives.
