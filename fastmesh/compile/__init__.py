@@ -1,0 +1,50 @@
+"""``torch.compile`` integration: an opt-in inductor pass that fuses native TP graphs into fastmesh ops.
+
+    import fastmesh.compile
+    fastmesh.compile.enable_fusion()                 # or enable_fusion(strict=True)
+    model = torch.compile(model_with_native_tp_plan)
+    ...
+    print(fastmesh.compile.fusion_report())          # what was fused, what was left and why
+
+The pass (``post_grad_custom_post_pass``) rewrites, in the forward and backward graphs inductor compiles:
+
+==========================================================  ==========================================
+native pattern (post-grad FX, functional collectives)       becomes
+==========================================================  ==========================================
+``wait(all_gather(x))`` [split/cat to dim d] [reshape 2-D]  ``fastmesh::all_gather_matmul(x, [b_1..b_n],
+-> ``mm(., b_i)`` / ``addmm(bias_i, ., b_i)``, n >= 1          d, group, return_a)`` (+ ``bias_i``); one call
+                                                            for every matmul of the gathered tensor
+``mm(x, b)`` or a sum of ``mm(x_j, b_j)`` [reshape]           ``fastmesh::matmul_reduce_scatter(x, b, d,
+[split/cat from dim d] -> ``wait(reduce_scatter(., op))``    op, group)``; a sum becomes one matmul of
+                                                            ``cat(x_j, -1)`` by ``cat(b_j, 0)``
+==========================================================  ==========================================
+
+It runs on any backend the fastmesh ops run on (gloo on CPU, NCCL on CUDA) and needs no symmetric memory.
+Everything else (other collectives, FP8 ``_scaled_mm`` patterns, a gather whose tensor goes through another
+op before the matmul) is left as it is, logged at WARNING on the ``fastmesh.compile`` logger and listed in
+:func:`fusion_report` with the reason; ``strict=True`` turns those into a :class:`FusionError`.
+"""
+
+from fastmesh.compile.fusion import (
+    FusionEntry,
+    FusionError,
+    FusionPass,
+    FusionReport,
+    disable_fusion,
+    enable_fusion,
+    fuse_graph,
+    fusion_enabled,
+    fusion_report,
+)
+
+__all__ = [
+    "FusionEntry",
+    "FusionError",
+    "FusionPass",
+    "FusionReport",
+    "disable_fusion",
+    "enable_fusion",
+    "fuse_graph",
+    "fusion_enabled",
+    "fusion_report",
+]

@@ -1,0 +1,262 @@
+"""The opt-in inductor pass that turns native TP graphs into fastmesh's fused ops, and its report.
+
+:func:`enable_fusion` installs :class:`FusionPass` as ``torch._inductor.config.post_grad_custom_post_pass``.
+Inductor calls it once for every graph it compiles (the forward and the backward of each compiled region).
+For every ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` in the graph it either rewrites the
+pattern into ``fastmesh::all_gather_matmul`` / ``fastmesh::matmul_reduce_scatter`` and logs it (INFO on the
+``fastmesh.compile`` logger), or leaves it and logs why (WARNING). Both end up in :func:`fusion_report`.
+With ``strict=True`` a collective it leaves fails the compile with a :class:`FusionError` naming it.
+
+Precedence with torch's own async TP (``torch._inductor.config._micro_pipeline_tp = True``): inductor runs
+torch's pass before every custom post pass, so torch rewrites first what it can (CUDA groups with symmetric
+memory enabled) and fastmesh fuses what torch left. The report lists torch's fused ops as fused by torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+from typing import Optional
+
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx import Graph, Node
+
+from fastmesh.compile import patterns, rewrite
+
+logger = logging.getLogger("fastmesh.compile")
+
+_TORCH_FUSED_PREFIX = "symm_mem.fused_"
+
+
+class FusionError(RuntimeError):
+    """``enable_fusion(strict=True)`` met a collective it could not fuse."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionEntry:
+    """One collective of one compiled graph: what became of it.
+
+    Attributes:
+        graph: the graph's index in the order the pass saw graphs (since the report was last reset).
+        graph_kind: ``"forward"``, ``"backward"`` or ``"inference"``.
+        collective: ``"all_gather"`` or ``"reduce_scatter"``.
+        node: the collective's node name in that graph.
+        fused_into: the op it became (``"fastmesh.all_gather_matmul"``, ``"fastmesh.matmul_reduce_scatter"``,
+            or a ``"torch.symm_mem.fused_*"`` op when torch's ``_micro_pipeline_tp`` took it), None if left.
+        matmuls: the number of matmuls fused with it.
+        detail: the fused call's arguments, or why the collective was left.
+    """
+
+    graph: int
+    graph_kind: str
+    collective: str
+    node: str
+    fused_into: Optional[str]
+    matmuls: int
+    detail: str
+
+    @property
+    def fused(self) -> bool:
+        return self.fused_into is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionReport:
+    """What the pass did, graph by graph. ``str(report)`` is a table."""
+
+    graphs: tuple[str, ...]  # each graph's kind, by index
+    entries: tuple[FusionEntry, ...]
+
+    @property
+    def fused(self) -> list[FusionEntry]:
+        return [e for e in self.entries if e.fused]
+
+    @property
+    def unfused(self) -> list[FusionEntry]:
+        return [e for e in self.entries if not e.fused]
+
+    def count(self, fused_into: str, graph_kind: Optional[str] = None) -> int:
+        """How many collectives became ``fused_into`` (in graphs of ``graph_kind``, or in all)."""
+        return sum(e.fused_into == fused_into and graph_kind in (None, e.graph_kind) for e in self.entries)
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return ("fastmesh fusion: no graph compiled with the pass since the report was reset (graphs served "
+                    "from inductor's caches do not run it)")
+        lines = [f"fastmesh fusion: {len(self.graphs)} graph(s), {len(self.fused)} collective(s) fused, "
+                 f"{len(self.unfused)} left"]
+        for e in self.entries:
+            outcome = f"-> {e.fused_into} ({e.matmuls} matmul{'s' * (e.matmuls != 1)})" if e.fused else "left"
+            lines.append(f"  graph {e.graph} ({e.graph_kind}) {e.collective} {e.node} {outcome}: {e.detail}")
+        return "\n".join(lines)
+
+
+class _Recorder:
+    """The report's state; inductor may compile graphs on several threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._graphs: list[str] = []
+        self._entries: list[FusionEntry] = []
+
+    def new_graph(self, kind: str) -> int:
+        with self._lock:
+            self._graphs.append(kind)
+            return len(self._graphs) - 1
+
+    def add(self, entries: list[FusionEntry]) -> None:
+        with self._lock:
+            self._entries += entries
+
+    def snapshot(self, reset: bool) -> FusionReport:
+        with self._lock:
+            report = FusionReport(tuple(self._graphs), tuple(self._entries))
+            if reset:
+                self._graphs.clear()
+                self._entries.clear()
+            return report
+
+
+_recorder = _Recorder()
+
+
+def _graph_kind(graph: Graph) -> str:
+    # AOTAutograd names the backward graph's incoming gradients tangents_*; an inference graph has
+    # neither tangents nor the primals_* of a training forward.
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    if any(name.startswith("tangents") for name in names):
+        return "backward"
+    return "forward" if any(name.startswith("primals") for name in names) else "inference"
+
+
+def _torch_fused(node: Node) -> Optional[str]:
+    name = str(node.target) if node.op == "call_function" else ""
+    return f"torch.{name.split('.default')[0]}" if name.startswith(_TORCH_FUSED_PREFIX) else None
+
+
+def _gather_detail(match: patterns.GatherMatch) -> str:
+    return f"gather_dim={match.gather_dim}, group={match.group_name}, return_a={match.return_a}"
+
+
+def _scatter_detail(match: patterns.ScatterMatch) -> str:
+    return f"scatter_dim={match.scatter_dim}, reduce_op={match.reduce_op}, group={match.group_name}"
+
+
+# collective name, its node target, matcher, rewriter, the fastmesh op, the match's matmuls, detail
+_RULES = (
+    ("all_gather", patterns.ALL_GATHER, patterns.match_all_gather, rewrite.fuse_all_gather,
+     "fastmesh.all_gather_matmul", lambda m: len(m.consumers), _gather_detail),
+    ("reduce_scatter", patterns.REDUCE_SCATTER, patterns.match_reduce_scatter, rewrite.fuse_reduce_scatter,
+     "fastmesh.matmul_reduce_scatter", lambda m: len(m.terms), _scatter_detail),
+)
+
+
+def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
+    """Run the fusion on one post-grad graph, in place; returns this graph's part of the report (also added
+    to :func:`fusion_report`'s). Raises :class:`FusionError` if ``strict`` and a collective is left."""
+    kind = _graph_kind(graph)
+    index = _recorder.new_graph(kind)
+    entries = []
+    for node in graph.nodes:
+        torch_op = _torch_fused(node)
+        if torch_op is not None:
+            collective = "all_gather" if "all_gather" in torch_op else "reduce_scatter"
+            entries.append(FusionEntry(index, kind, collective, node.name, torch_op, 1,
+                                       "fused by torch's _micro_pipeline_tp, which runs first"))
+    for collective, target, match_fn, fuse_fn, op_name, matmuls, detail in _RULES:
+        for node in [n for n in graph.nodes if n.target == target]:
+            name = node.name
+            match = match_fn(node)
+            fused = match if isinstance(match, patterns.Unfusable) else fuse_fn(graph, match)
+            if isinstance(fused, patterns.Unfusable):
+                entries.append(FusionEntry(index, kind, collective, name, None, 0, fused.reason))
+            else:
+                entries.append(FusionEntry(index, kind, collective, name, op_name, matmuls(match),
+                                           f"{fused.name}: {detail(match)}"))
+    stable_topological_sort(graph)
+    graph.lint()
+    _recorder.add(entries)
+
+    report = FusionReport((kind,), tuple(entries))
+    for e in report.fused:
+        logger.info("graph %d (%s): %s %s -> %s with %d matmul(s): %s", index, kind, e.collective, e.node,
+                    e.fused_into, e.matmuls, e.detail)
+    for e in report.unfused:
+        logger.warning("graph %d (%s): %s %s left unfused: %s", index, kind, e.collective, e.node, e.detail)
+    if strict and report.unfused:
+        left = "; ".join(f"{e.collective} {e.node}: {e.detail}" for e in report.unfused)
+        raise FusionError(f"fastmesh fusion (strict=True): graph {index} ({kind}) has collectives the pass "
+                          f"cannot fuse: {left}")
+    return report
+
+
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("fusion.py", "patterns.py", "rewrite.py"))
+
+
+class FusionPass(CustomGraphPass):
+    """The post-grad pass :func:`enable_fusion` installs. It runs the pass that was installed before it (if
+    any) after its own, and gives inductor's caches a key that covers its source and settings."""
+
+    def __init__(self, strict: bool, previous=None):
+        self.strict = strict
+        self.previous = previous
+
+    def __call__(self, graph: Graph) -> None:
+        fuse_graph(graph, self.strict)
+        for previous in self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,):
+            if previous is not None:
+                previous(graph)
+
+    def uuid(self) -> Optional[bytes]:
+        digest = hashlib.sha256(get_hash_for_files(_SOURCES, extra=f"strict={self.strict}"))
+        for previous in self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,):
+            if previous is None:
+                continue
+            uuid = previous.uuid() if hasattr(previous, "uuid") else None
+            if uuid is None:  # inductor cannot cache graphs compiled with an uncacheable pass
+                return None
+            digest.update(repr(uuid).encode())
+        return digest.digest()
+
+
+def enable_fusion(strict: bool = False) -> None:
+    """Install the fusion pass for every graph inductor compiles from now on (``torch.compile`` with the
+    default ``"inductor"`` backend). Graphs already compiled keep their code: call ``torch._dynamo.reset()``
+    to recompile them. Calling it again changes ``strict``; a post-grad custom post pass installed before is
+    kept and runs after fastmesh's.
+
+    Args:
+        strict: raise :class:`FusionError` (failing the compile) when a graph has an all-gather or a
+            reduce-scatter the pass cannot fuse, naming it and the reason, instead of logging a warning.
+    """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    current = inductor_config.post_grad_custom_post_pass
+    previous = current.previous if isinstance(current, FusionPass) else current
+    inductor_config.post_grad_custom_post_pass = FusionPass(strict, previous)
+
+
+def disable_fusion() -> None:
+    """Uninstall the pass (restoring the post pass that was there before :func:`enable_fusion`)."""
+    current = inductor_config.post_grad_custom_post_pass
+    if isinstance(current, FusionPass):
+        inductor_config.post_grad_custom_post_pass = current.previous
+
+
+def fusion_enabled() -> bool:
+    return isinstance(inductor_config.post_grad_custom_post_pass, FusionPass)
+
+
+def fusion_report(reset: bool = False) -> FusionReport:
+    """What the pass fused and what it left, and why, for every graph it ran on in this process since the
+    last reset. Graphs that inductor served from its caches did not run the pass and are not in it.
+
+    Args:
+        reset: clear the record after taking this report.
+    """
+    return _recorder.snapshot(reset)

@@ -1,0 +1,313 @@
+"""Find native TP collectives and the matmuls around them in a post-grad FX graph.
+
+The graphs are those inductor hands to ``post_grad_custom_post_pass``: functional collectives
+(``_c10d_functional``), every view already a ``reshape``. A DTensor redistribution Shard(d) -> Replicate
+along d > 0 shows up as::
+
+    w = wait_tensor(all_gather_into_tensor(a_shard, W, group))     # ranks stacked along dim 0
+    a = cat([split(w, a_shard.size(0))[0], ..., [W-1]], dim=d)       # (absent when d == 0)
+    y_i = mm(reshape(a, [-1, K]), b_i)   or   addmm(bias_i, reshape(a, [-1, K]), b_i)
+
+and Partial -> Shard(d) of a row-parallel product as::
+
+    p = reshape(mm(x, b))     or the sum of several such terms (the backward of q/k/v)
+    c = cat([split(p, p.size(d) // W, d)[0], ..., [W-1]])             # (absent when d == 0)
+    out = wait_tensor(reduce_scatter_tensor(c, "sum" | "avg", W, group))
+
+:func:`match_all_gather` and :func:`match_reduce_scatter` return a description of what to rewrite, or an
+:class:`Unfusable` with the reason a user can act on. Nothing here edits the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Optional, Union
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+WAIT = _c10d.wait_tensor.default
+RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+MM = aten.mm.default
+ADDMM = aten.addmm.default
+SCALED_MM = aten._scaled_mm.default
+# The dtypes the fastmesh ops multiply (fastmesh/ops/_checks.py); FP8 data goes through the scaled forms.
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REDUCE_OPS = ("sum", "avg")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unfusable:
+    """Why a collective was left as it is."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Consumer:
+    """``matmul`` = ``mm(view or gathered, b)`` or ``addmm(bias, view or gathered, b)``."""
+
+    matmul: Node
+    view: Optional[Node]  # the reshape of the gathered tensor to 2-D, None if the matmul reads it directly
+    b: Node
+    bias: Optional[Node]
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherMatch:
+    collective: Node
+    wait: Node
+    shard: Node
+    gather_dim: int
+    group_name: str
+    gathered: Node  # the node holding the gathered tensor: ``wait``, or the ``cat`` of the split form
+    layout_nodes: tuple[Node, ...]  # split, getitems, cat (empty when gather_dim == 0)
+    consumers: tuple[Consumer, ...]
+    return_a: bool  # the gathered tensor has other users than the fused matmuls
+
+
+@dataclasses.dataclass(frozen=True)
+class ScatterMatch:
+    collective: Node
+    wait: Node
+    reduce_op: str
+    scatter_dim: int
+    group_name: str
+    product: Node  # the tensor the reduce-scatter reduces, before its split/cat layout
+    terms: tuple[Node, ...]  # the mm nodes whose sum (through reshapes) is ``product``
+    shape_args: list  # ``product``'s shape as reshape arguments (ints and SymInt nodes of the graph)
+    chain: tuple[Node, ...]  # every node between the mms and the wait, erased after the rewrite
+
+
+def _val(node) -> Optional[torch.Tensor]:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _same(a, b) -> bool:
+    """Equal sizes, possibly symbolic, without adding guards."""
+    return statically_known_true(a == b)
+
+
+def _value_of(arg):
+    """An int, or the SymInt a size node stands for."""
+    return arg.meta.get("val") if isinstance(arg, Node) else arg
+
+
+def _describe(nodes) -> str:
+    return ", ".join(f"{n.name} ({n.target if n.op == 'call_function' else n.op})" for n in nodes) or "none"
+
+
+def _ancestors(node: Node) -> set[Node]:
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def _stacked_ranks_layout(stacked: Node, world: int):
+    """``cat([split(stacked, n)[0..world-1]], d)``: the split/cat form that moves the rank blocks stacked
+    along dim 0 to dim ``d``. Returns ``(cat, d, layout nodes)`` or None."""
+    users = list(stacked.users)
+    if len(users) != 1 or users[0].target != aten.split.Tensor:
+        return None
+    split = users[0]
+    split_dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if split_dim != 0:
+        return None
+    pieces = list(split.users)
+    if len(pieces) != world or any(p.target is not operator.getitem or len(p.users) != 1 for p in pieces):
+        return None
+    cat = next(iter(pieces[0].users))
+    if cat.target != aten.cat.default:
+        return None
+    ordered = sorted(pieces, key=lambda p: p.args[1])
+    if list(cat.args[0]) != ordered or [p.args[1] for p in ordered] != list(range(world)):
+        return None
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    value = _val(cat)
+    if value is None:
+        return None
+    return cat, dim % value.dim(), (split, *ordered, cat)
+
+
+def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node]]:
+    """The matmuls that read ``gathered`` as their left operand (directly or through a reshape to 2-D that
+    keeps the last dim), and every other user (of ``gathered`` or of such a reshape)."""
+    value = _val(gathered)
+    consumers, others = [], []
+
+    def as_consumer(user: Node, operand: Node) -> Optional[Consumer]:
+        if user.target == MM and user.args[0] is operand and user.args[1] is not operand:
+            return Consumer(user, None, user.args[1], None)
+        if (user.target == ADDMM and len(user.args) == 3 and not user.kwargs
+                and user.args[1] is operand and user.args[2] is not operand):
+            return Consumer(user, None, user.args[2], user.args[0])
+        return None
+
+    for user in gathered.users:
+        direct = as_consumer(user, gathered) if value.dim() == 2 else None
+        if direct is not None:
+            consumers.append(direct)
+            continue
+        view = _val(user)
+        if (user.target in RESHAPES and view is not None and view.dim() == 2 and value.dim() >= 2
+                and _same(view.shape[1], value.shape[-1])):
+            for view_user in user.users:
+                consumer = as_consumer(view_user, user)
+                if consumer is not None:
+                    consumers.append(dataclasses.replace(consumer, view=user))
+                else:
+                    others.append(view_user)
+            continue
+        others.append(user)
+    return consumers, others
+
+
+def match_all_gather(collective: Node) -> Union[GatherMatch, Unfusable]:
+    shard, world, group_name = collective.args[:3]
+    users = list(collective.users)
+    if len(users) != 1 or users[0].target != WAIT:
+        return Unfusable(f"the all-gather's result is used before or besides its wait_tensor ({_describe(users)})")
+    wait = users[0]
+    shard_value = _val(shard)
+    if shard_value is None or shard_value.dim() == 0:
+        return Unfusable("the gathered shard has no known shape (or is 0-d)")
+
+    layout = _stacked_ranks_layout(wait, world)
+    if layout is not None:
+        gathered, gather_dim, layout_nodes = layout
+    else:
+        gathered, gather_dim, layout_nodes = wait, 0, ()
+    gathered_value = _val(gathered)
+    consumers, others = _consumers_of(gathered)
+    if not consumers:
+        users = list(gathered.users)
+        return Unfusable(f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through a "
+                         f"reshape to 2-D; its users: {_describe(users)}")
+    if any(c.matmul.target == SCALED_MM for c in consumers):
+        return Unfusable("an FP8 aten._scaled_mm consumer: the pass does not rewrite scaled matmuls yet "
+                         "(FusedColwiseParallel(fp8=...) fuses FP8 gathers)")
+    if gathered_value.dtype not in MATMUL_DTYPES:
+        return Unfusable(f"the gathered tensor is {gathered_value.dtype}; the fused op multiplies "
+                         f"{', '.join(map(str, MATMUL_DTYPES))}")
+    for consumer in consumers:
+        b_value = _val(consumer.b)
+        if b_value is None or b_value.dtype != gathered_value.dtype:
+            return Unfusable(f"matmul {consumer.matmul.name}: its right operand's dtype differs from the "
+                             f"gathered tensor's {gathered_value.dtype}")
+        if gathered in _ancestors(consumer.b) or (consumer.bias is not None and gathered in _ancestors(consumer.bias)):
+            return Unfusable(f"matmul {consumer.matmul.name}: its other operands depend on the gathered tensor")
+    return GatherMatch(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes,
+                       tuple(consumers), return_a=bool(others))
+
+
+def _strip_reshapes(node: Node, chain: list[Node]) -> Node:
+    while node.target in RESHAPES and len(node.users) == 1:
+        chain.append(node)
+        node = node.args[0]
+    return node
+
+
+def _product_terms(product: Node, chain: list[Node]) -> Union[list[Node], Unfusable]:
+    """The mm nodes that sum (through reshapes that keep the last dim) to ``product``; every node on the
+    way must have no other user, or the matmul would have to run anyway."""
+    value = _val(product)
+    node = _strip_reshapes(product, chain)
+    if node.target == aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
+        if node is not product and len(node.users) != 1:
+            return Unfusable(f"the sum {node.name} feeding the reduce-scatter has other users")
+        if any(_val(arg) is None or tuple(_val(arg).shape) != tuple(_val(node).shape) for arg in node.args):
+            return Unfusable(f"the sum {node.name} feeding the reduce-scatter broadcasts")
+        chain.append(node)
+        terms = []
+        for arg in node.args:
+            found = _product_terms(arg, chain)
+            if isinstance(found, Unfusable):
+                return found
+            terms += found
+        return terms
+    if node.target == MM:
+        if node is not product and len(node.users) != 1:
+            return Unfusable(f"the matmul {node.name} feeding the reduce-scatter has other users")
+        out = _val(node)
+        if value is None or out is None or not _same(out.shape[-1], value.shape[-1]):
+            return Unfusable(f"a reshape between the matmul {node.name} and the reduce-scatter changes the last dim")
+        chain.append(node)
+        return [node]
+    if node.target == ADDMM:
+        return Unfusable(f"{node.name} is an addmm: a bias added before the reduce-scatter would be summed over "
+                         "ranks; the pass fuses only mm")
+    if node.target == SCALED_MM:
+        return Unfusable("the product is an FP8 aten._scaled_mm: the pass does not rewrite scaled matmuls yet "
+                         "(FusedRowwiseParallel(fp8=...) fuses them)")
+    return Unfusable(f"the reduce-scatter's input is not a matmul or a sum of matmuls: {_describe([node])}")
+
+
+def _shape_args(product: Node, chain: list[Node]) -> Optional[list]:
+    """``product``'s shape as reshape arguments: plain ints, or the size arguments of a reshape in the chain
+    that produces that shape (dynamic shapes: their size nodes already exist in the graph)."""
+    value = _val(product)
+    if all(isinstance(size, int) for size in value.shape):
+        return list(value.shape)
+    for node in chain:
+        if node.target in RESHAPES and tuple(_val(node).shape) == tuple(value.shape):
+            shape = list(node.args[1])
+            if all(_same(_value_of(arg), size) for arg, size in zip(shape, value.shape) if _value_of(arg) != -1):
+                return shape
+    return None
+
+
+def match_reduce_scatter(collective: Node) -> Union[ScatterMatch, Unfusable]:
+    scattered, reduce_op, world, group_name = collective.args[:4]
+    users = list(collective.users)
+    waits = [u for u in users if u.target == WAIT]
+    if len(waits) != 1 or any(u.op != "output" for u in users if u is not waits[0]):
+        return Unfusable(f"the reduce-scatter's result is used before or besides its wait_tensor ({_describe(users)})")
+    if reduce_op not in REDUCE_OPS:
+        return Unfusable(f"reduce op {reduce_op!r}: the fused op reduces with {REDUCE_OPS}")
+
+    chain: list[Node] = []
+    product, scatter_dim = scattered, 0
+    if scattered.target == aten.cat.default and len(scattered.users) == 1:
+        pieces = list(scattered.args[0])
+        cat_dim = scattered.args[1] if len(scattered.args) > 1 else scattered.kwargs.get("dim", 0)
+        split = pieces[0].args[0] if pieces[0].target is operator.getitem else None
+        if (cat_dim == 0 and split is not None and split.target == aten.split.Tensor and len(pieces) == world
+                and len(split.users) == world
+                and all(p.target is operator.getitem and p.args[0] is split and p.args[1] == i and len(p.users) == 1
+                        for i, p in enumerate(pieces))):
+            source = split.args[0]
+            value = _val(source)
+            dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % value.dim()
+            if not _same(_value_of(split.args[1]) * world, value.shape[dim]):
+                return Unfusable(f"the reduce-scatter's blocks along dim {dim} are not {world} equal splits")
+            product, scatter_dim = source, dim
+            chain += [scattered, *pieces, split]
+    if len(product.users) != 1:
+        return Unfusable(f"the reduced tensor {product.name} has other users")
+
+    terms = _product_terms(product, chain)
+    if isinstance(terms, Unfusable):
+        return terms
+    dtypes = {_val(t.args[i]).dtype for t in terms for i in (0, 1)}
+    if len(dtypes) != 1 or not dtypes <= set(MATMUL_DTYPES):
+        return Unfusable(f"the matmul operands are {sorted(map(str, dtypes))}; the fused op multiplies one of "
+                         f"{', '.join(map(str, MATMUL_DTYPES))}")
+    if len(terms) > 1 and not all(isinstance(_val(t.args[0]).shape[1], int) for t in terms):
+        return Unfusable("a sum of matmuls with a symbolic contraction size")
+    shape_args = _shape_args(product, chain)
+    if shape_args is None:
+        return Unfusable("the reduced tensor's symbolic shape is not available as reshape arguments")
+    return ScatterMatch(collective, waits[0], reduce_op, scatter_dim, group_name, product, tuple(terms),
+                        shape_args, tuple(chain))
