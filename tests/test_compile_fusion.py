@@ -1,0 +1,346 @@
+"""The opt-in fusion pass (``fastmesh.compile``) on native TP graphs, 2 gloo ranks, inductor.
+
+* torch's native sequence-parallel plan on a Llama block: the compiled forward and backward graphs hold the
+  expected fastmesh ops and no native all-gather / reduce-scatter (q/k/v in one call with three ``bs``), and
+  give the outputs and gradients of the same compile without the pass; with activation checkpointing, with
+  a dynamic sequence length (one graph, no recompile).
+* Each supported pattern alone (gather dims 0 / 1 / last, addmm, several matmuls plus another use of the
+  gathered tensor; scatter dims 0 / 1 / last, sum and avg, a sum of matmuls) in strict mode, against eager.
+* Patterns it must leave: the report and the warning give the reason; ``strict=True`` fails the compile
+  naming the collective.
+* torch's ``_micro_pipeline_tp`` enabled too; the pass installer's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
+
+import fastmesh.compile
+from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
+from rank_pool import on_ranks
+
+# The fused ops sum in a different order than the unfused graph (pieces; one matmul for a sum of matmuls):
+# measured differences ~1e-6 on outputs and gradients of order 1; a wrong block or a lost term is O(1) off.
+TOLERANCE = dict(rtol=2e-5, atol=2e-5)
+
+_FUSED_OPS = {
+    torch.ops.fastmesh.all_gather_matmul.default: "all_gather_matmul",
+    torch.ops.fastmesh.matmul_reduce_scatter.default: "matmul_reduce_scatter",
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "native_all_gather",
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: "native_reduce_scatter",
+}
+
+
+class _GraphCensus:
+    """A post-grad pass installed *before* enable_fusion, so that it runs after fastmesh's pass (which keeps
+    and calls the previous pass): it records the collectives and fused ops each graph ends up with."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph):
+        kind = "backward" if any(n.name.startswith("tangents") for n in graph.nodes if n.op == "placeholder") \
+            else "forward"
+        ops = [(_FUSED_OPS[n.target], n) for n in graph.nodes if n.target in _FUSED_OPS]
+        self.graphs.append({
+            "kind": kind,
+            "ops": sorted(name for name, _ in ops),
+            "gather_bs": sorted(len(n.args[1]) for name, n in ops if name == "all_gather_matmul"),
+        })
+
+
+@contextlib.contextmanager
+def _fusion(strict=False, census=None):
+    """The pass installed (after ``census``, which therefore runs after it), a fresh report, and inductor's
+    caches off: a graph served from a cache (here: one another rank or test compiled) does not run the pass."""
+    saved = inductor_config.post_grad_custom_post_pass
+    inductor_config.post_grad_custom_post_pass = census
+    fastmesh.compile.enable_fusion(strict=strict)
+    fastmesh.compile.fusion_report(reset=True)
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            yield
+    finally:
+        fastmesh.compile.disable_fusion()
+        inductor_config.post_grad_custom_post_pass = saved
+        torch._dynamo.reset()
+
+
+def _randn(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- torch's native plan on a Llama block ----
+
+def _block_step(block, fn, x, world):
+    x = x.chunk(world, 1)[dist.get_rank()].clone().requires_grad_()
+    y = fn(x)
+    (y * y).sum().backward()
+    grads = {name: p.grad.full_tensor() for name, p in block.named_parameters()}
+    block.zero_grad()
+    return y.detach(), x.grad, grads
+
+
+@on_ranks(2, timeout=600)
+def test_native_block_compiles_to_fused_ops_with_equal_results():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.utils.checkpoint import checkpoint
+
+    world = dist.get_world_size()
+    args = LlamaArgs()
+    torch.manual_seed(0)
+    block = parallelize_module(Block(args), init_device_mesh("cpu", (world,)), block_plan("native"))
+    lengths = (8, 12)
+
+    for checkpointed in (False, True):
+        def run(x):
+            rope = rope_tables(x.shape[1] * world, args.head_dim, args.rope_theta)
+            return checkpoint(block, x, rope, use_reentrant=False) if checkpointed else block(x, rope)
+
+        torch._dynamo.reset()
+        unfused = torch.compile(run, fullgraph=True, dynamic=True)
+        want = [_block_step(block, unfused, _randn((2, n, args.dim), n), world) for n in lengths]
+
+        census = _GraphCensus()
+        with _fusion(strict=True, census=census):
+            fused = torch.compile(run, fullgraph=True, dynamic=True)
+            got = [_block_step(block, fused, _randn((2, n, args.dim), n), world) for n in lengths]
+            report = fastmesh.compile.fusion_report()
+        case = f"checkpointed={checkpointed}"
+        for (y, gx, grads), (y_ref, gx_ref, grads_ref) in zip(got, want):
+            torch.testing.assert_close(y, y_ref, **TOLERANCE, msg=lambda m: f"{case}: output: {m}")
+            torch.testing.assert_close(gx, gx_ref, **TOLERANCE, msg=lambda m: f"{case}: grad x: {m}")
+            for name in grads_ref:
+                torch.testing.assert_close(grads[name], grads_ref[name], **TOLERANCE, msg=lambda m: f"{case}: {name}: {m}")
+
+        # One forward and one backward graph for both lengths (dynamic: no recompile).
+        assert [g["kind"] for g in census.graphs] == ["forward", "backward"], (case, census.graphs)
+        forward, backward = census.graphs
+        # Forward: the attention input gathered once for q/k/v and the FFN input once for w1/w3; wo and w2
+        # reduce-scattered.
+        assert forward["ops"] == ["all_gather_matmul"] * 2 + ["matmul_reduce_scatter"] * 2, (case, forward)
+        assert forward["gather_bs"] == [2, 3], (case, forward)
+        # Backward: the output gradients of wo and w2 gathered (dgrad), the input gradients of q/k/v and of
+        # w1/w3 (sums of matmuls) reduce-scattered. Checkpointing recomputes both input gathers and the
+        # attention's output projection (the FFN's w2 output is not needed to recompute anything).
+        recomputed = ["all_gather_matmul"] * 2 + ["matmul_reduce_scatter"] if checkpointed else []
+        assert backward["ops"] == sorted(["all_gather_matmul"] * 2 + ["matmul_reduce_scatter"] * 2 + recomputed), \
+            (case, backward)
+        assert all(e.fused for e in report.entries), (case, str(report))
+        assert report.count("fastmesh.matmul_reduce_scatter", "backward") == 2 + checkpointed, (case, str(report))
+
+
+# ---- each pattern alone ----
+
+def _world():
+    return dist.group.WORLD
+
+
+# all_gather_single is the name since torch 2.12 (all_gather_tensor warns there); 2.11 has only the old one.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _gather(x, dim):
+    return _all_gather(x, dim, _world())
+
+
+def _scatter(x, dim, op="sum"):
+    return funcol.reduce_scatter_tensor(x, op, dim, _world())
+
+
+def _gather_dim0(x, w, b):
+    return _gather(x, 0) @ w
+
+
+def _gather_dim1_linear_bias(x, w, b):
+    return F.linear(_gather(x.unsqueeze(0).expand(2, -1, -1) * 1.5, 1), w.t(), b)
+
+
+def _gather_last_dim(x, w, b):
+    return _gather(x, -1) @ torch.cat([w, w], 0)
+
+
+def _gather_two_matmuls_and_another_use(x, w, b):
+    full = _gather(x.reshape(2, -1, x.shape[-1]), 1)
+    return full @ w, full @ (2 * w), full.sum(-1)
+
+
+def _scatter_dim0(x, w, b):
+    return _scatter(x @ w, 0)
+
+
+def _scatter_dim1_avg(x, w, b):
+    return _scatter((x.reshape(-1, 2, x.shape[-1]) @ w), 1, "avg")
+
+
+def _scatter_last_dim(x, w, b):
+    return _scatter(x @ torch.cat([w, w], 1), -1)
+
+
+def _scatter_sum_of_matmuls(x, w, b):
+    x3 = x.reshape(-1, 2, x.shape[-1])
+    return _scatter(x3 @ w + (x3 * 2) @ (w - 1) + torch.sin(x3) @ (3 * w), 1)
+
+
+# name -> (function, fused ops it must produce, matmuls they fuse)
+PATTERNS = {
+    "gather_dim0": (_gather_dim0, ["fastmesh.all_gather_matmul"], 1),
+    "gather_dim1_linear_bias": (_gather_dim1_linear_bias, ["fastmesh.all_gather_matmul"], 1),
+    "gather_last_dim": (_gather_last_dim, ["fastmesh.all_gather_matmul"], 1),
+    "gather_two_matmuls_and_another_use": (_gather_two_matmuls_and_another_use, ["fastmesh.all_gather_matmul"], 2),
+    "scatter_dim0": (_scatter_dim0, ["fastmesh.matmul_reduce_scatter"], 1),
+    "scatter_dim1_avg": (_scatter_dim1_avg, ["fastmesh.matmul_reduce_scatter"], 1),
+    "scatter_last_dim": (_scatter_last_dim, ["fastmesh.matmul_reduce_scatter"], 1),
+    "scatter_sum_of_matmuls": (_scatter_sum_of_matmuls, ["fastmesh.matmul_reduce_scatter"], 3),
+}
+
+
+def _inputs():
+    rank = dist.get_rank()
+    # Odd sizes: 6 rows per rank, K = 10, N = 14.
+    return _randn((6, 10), seed=rank), _randn((10, 14), seed=100), _randn((14,), seed=101)
+
+
+@on_ranks(2, timeout=300)
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_each_pattern_fuses_in_strict_mode_and_matches_eager(name):
+    fn, ops, matmuls = PATTERNS[name]
+    inputs = _inputs()
+    with torch.no_grad():
+        want = fn(*inputs)
+        with _fusion(strict=True):
+            got = torch.compile(fn, fullgraph=True)(*inputs)
+            report = fastmesh.compile.fusion_report()
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOLERANCE)
+    assert [e.fused_into for e in report.entries] == ops, str(report)
+    assert report.entries[0].matmuls == matmuls, str(report)
+
+
+def _gather_then_relu(x, w, b):
+    return torch.relu(_gather(x, 0)) @ w
+
+
+def _scatter_product_used_twice(x, w, b):
+    product = x @ w
+    return _scatter(product, 0), product.sum()
+
+
+def _scatter_after_bias(x, w, b):
+    return _scatter(torch.addmm(b, x, w), 0)
+
+
+# name -> (function, collective left, words its reason must contain)
+UNFUSABLE = {
+    "gather_then_relu": (_gather_then_relu, "all_gather", "feeds no matmul"),
+    "scatter_product_used_twice": (_scatter_product_used_twice, "reduce_scatter", "other users"),
+    "scatter_after_bias": (_scatter_after_bias, "reduce_scatter", "addmm"),
+}
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@on_ranks(2, timeout=300)
+@pytest.mark.parametrize("name", sorted(UNFUSABLE))
+def test_unfusable_patterns_are_reported_and_strict_raises(name):
+    fn, collective, reason = UNFUSABLE[name]
+    inputs = _inputs()
+    logger = logging.getLogger("fastmesh.compile")
+    records = _Records()
+    logger.addHandler(records)
+    try:
+        with torch.no_grad():
+            want = fn(*inputs)
+            with _fusion(strict=False):
+                got = torch.compile(fn, fullgraph=True)(*inputs)
+                report = fastmesh.compile.fusion_report()
+            with _fusion(strict=True):
+                with pytest.raises(Exception, match="strict=True") as raised:
+                    torch.compile(fn, fullgraph=True)(*inputs)
+    finally:
+        logger.removeHandler(records)
+    torch.testing.assert_close(got, want, **TOLERANCE)
+    [left] = report.unfused
+    assert left.collective == collective and reason in left.detail, str(report)
+    assert any(left.node in m and reason in m for m in records.messages), records.messages
+    # The compile error names the collective's node and the reason.
+    assert left.node in str(raised.value) and reason in str(raised.value), str(raised.value)
+
+
+# ---- torch's own async TP pass enabled too ----
+
+@on_ranks(2, timeout=300)
+def test_torch_micro_pipeline_tp_runs_first_and_fastmesh_fuses_what_it_leaves():
+    # On gloo groups torch's pass finds the patterns but fuses nothing (it needs symmetric memory on CUDA);
+    # fastmesh's pass, which inductor runs after it, takes them.
+    inputs = _inputs()
+    with torch.no_grad(), inductor_config.patch(_micro_pipeline_tp=True):
+        want = _gather_two_matmuls_and_another_use(*inputs)
+        with _fusion(strict=True):
+            got = torch.compile(_gather_two_matmuls_and_another_use, fullgraph=True)(*inputs)
+            report = fastmesh.compile.fusion_report()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOLERANCE)
+    assert [e.fused_into for e in report.entries] == ["fastmesh.all_gather_matmul"], str(report)
+
+
+def test_ops_fused_by_torch_are_reported_as_torchs():
+    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
+        pytest.skip("this torch build has no symm_mem ops")
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a_shard"), graph.placeholder("b")
+    fused = graph.call_function(torch.ops.symm_mem.fused_all_gather_matmul.default, (a, [b], 0, "0"))
+    graph.output((fused,))
+    fastmesh.compile.fusion_report(reset=True)
+    report = fastmesh.compile.fuse_graph(graph, strict=True)
+    [entry] = report.entries
+    assert (entry.collective, entry.fused_into) == ("all_gather", "torch.symm_mem.fused_all_gather_matmul"), entry
+    assert fastmesh.compile.fusion_report(reset=True).entries == report.entries
+
+
+# ---- installing the pass ----
+
+def test_enable_and_disable_keep_the_pass_installed_before():
+    def user_pass(graph):
+        pass
+
+    saved = inductor_config.post_grad_custom_post_pass
+    try:
+        inductor_config.post_grad_custom_post_pass = user_pass
+        fastmesh.compile.enable_fusion()
+        installed = inductor_config.post_grad_custom_post_pass
+        assert fastmesh.compile.fusion_enabled() and installed.previous is user_pass and not installed.strict
+        fastmesh.compile.enable_fusion(strict=True)  # again: only strictness changes
+        assert inductor_config.post_grad_custom_post_pass.previous is user_pass
+        assert inductor_config.post_grad_custom_post_pass.strict
+        fastmesh.compile.disable_fusion()
+        assert inductor_config.post_grad_custom_post_pass is user_pass and not fastmesh.compile.fusion_enabled()
+
+        # The cache key covers the settings, and a previous pass without a key makes the whole one uncacheable.
+        inductor_config.post_grad_custom_post_pass = None
+        keys = {strict: fastmesh.compile.FusionPass(strict).uuid() for strict in (False, True)}
+        assert None not in keys.values() and keys[False] != keys[True]
+        assert fastmesh.compile.FusionPass(False, user_pass).uuid() is None
+        with pytest.raises(TypeError, match="strict must be a bool"):
+            fastmesh.compile.enable_fusion(strict="yes")
+    finally:
+        inductor_config.post_grad_custom_post_pass = saved
