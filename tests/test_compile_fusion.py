@@ -152,7 +152,10 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 
 
 def _gather(x, dim):
-    return _all_gather(x, dim, _world())
+    """Gather along ``dim`` the way DTensor's redistribution does: ranks stacked along dim 0, then moved to
+    ``dim`` by split/cat (spelled out: torch 2.11's dynamo cannot trace funcol's own gather_dim > 0)."""
+    stacked = _all_gather(x, 0, _world())
+    return torch.cat(torch.chunk(stacked, dist.get_world_size(), 0), dim) if dim else stacked
 
 
 def _scatter(x, dim, op="sum"):
@@ -165,6 +168,11 @@ def _gather_dim0(x, w, b):
 
 def _gather_dim1_linear_bias(x, w, b):
     return F.linear(_gather(x.unsqueeze(0).expand(2, -1, -1) * 1.5, 1), w.t(), b)
+
+
+def _gather_dim1_batch_of_one(x, w, b):
+    # torch >= 2.12 moves the rank blocks of a [1, S, K] shard with a view instead of split/cat.
+    return _all_gather(x.unsqueeze(0), 0, _world()).view(1, -1, x.shape[-1]) @ w
 
 
 def _gather_last_dim(x, w, b):
@@ -197,6 +205,7 @@ def _scatter_sum_of_matmuls(x, w, b):
 PATTERNS = {
     "gather_dim0": (_gather_dim0, ["fastmesh.all_gather_matmul"], 1),
     "gather_dim1_linear_bias": (_gather_dim1_linear_bias, ["fastmesh.all_gather_matmul"], 1),
+    "gather_dim1_batch_of_one": (_gather_dim1_batch_of_one, ["fastmesh.all_gather_matmul"], 1),
     "gather_last_dim": (_gather_last_dim, ["fastmesh.all_gather_matmul"], 1),
     "gather_two_matmuls_and_another_use": (_gather_two_matmuls_and_another_use, ["fastmesh.all_gather_matmul"], 2),
     "scatter_dim0": (_scatter_dim0, ["fastmesh.matmul_reduce_scatter"], 1),

@@ -54,7 +54,7 @@ class Consumer:
     """``matmul`` = ``mm(view or gathered, b)`` or ``addmm(bias, view or gathered, b)``."""
 
     matmul: Node
-    view: Optional[Node]  # the reshape of the gathered tensor to 2-D, None if the matmul reads it directly
+    view: Optional[Node]  # the last reshape before the matmul (2-D), None if the matmul reads the gathered tensor
     b: Node
     bias: Optional[Node]
 
@@ -68,6 +68,7 @@ class GatherMatch:
     group_name: str
     gathered: Node  # the node holding the gathered tensor: ``wait``, or the ``cat`` of the split form
     layout_nodes: tuple[Node, ...]  # split, getitems, cat (empty when gather_dim == 0)
+    views: tuple[Node, ...]  # the reshapes between the gathered tensor and the matmuls, users first
     consumers: tuple[Consumer, ...]
     return_a: bool  # the gathered tensor has other users than the fused matmuls
 
@@ -141,11 +142,12 @@ def _stacked_ranks_layout(stacked: Node, world: int):
     return cat, dim % value.dim(), (split, *ordered, cat)
 
 
-def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node]]:
-    """The matmuls that read ``gathered`` as their left operand (directly or through a reshape to 2-D that
-    keeps the last dim), and every other user (of ``gathered`` or of such a reshape)."""
+def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node], list[Node]]:
+    """The matmuls that read ``gathered`` as their left operand, directly or through reshapes ending in a 2-D
+    ``[-1, K]`` (K = gathered's last dim: a row-major flatten, whatever the reshapes in between); every other
+    user of ``gathered`` or of those reshapes; and the reshapes visited (users before their inputs)."""
     value = _val(gathered)
-    consumers, others = [], []
+    consumers, others, views = [], [], []
 
     def as_consumer(user: Node, operand: Node) -> Optional[Consumer]:
         if user.target == MM and user.args[0] is operand and user.args[1] is not operand:
@@ -155,23 +157,22 @@ def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node]]:
             return Consumer(user, None, user.args[2], user.args[0])
         return None
 
-    for user in gathered.users:
-        direct = as_consumer(user, gathered) if value.dim() == 2 else None
-        if direct is not None:
-            consumers.append(direct)
-            continue
-        view = _val(user)
-        if (user.target in RESHAPES and view is not None and view.dim() == 2 and value.dim() >= 2
-                and _same(view.shape[1], value.shape[-1])):
-            for view_user in user.users:
-                consumer = as_consumer(view_user, user)
-                if consumer is not None:
-                    consumers.append(dataclasses.replace(consumer, view=user))
-                else:
-                    others.append(view_user)
-            continue
-        others.append(user)
-    return consumers, others
+    def visit(node: Node, view: Optional[Node]) -> None:
+        node_value = _val(node)
+        is_matrix = node_value is not None and node_value.dim() == 2 and _same(node_value.shape[1], value.shape[-1])
+        for user in node.users:
+            consumer = as_consumer(user, node) if is_matrix else None
+            if consumer is not None:
+                consumers.append(dataclasses.replace(consumer, view=view))
+            elif user.target in RESHAPES and _val(user) is not None:
+                views.append(user)
+                visit(user, user)
+            else:
+                others.append(user)
+
+    if value.dim() >= 1:
+        visit(gathered, None)
+    return consumers, others, views[::-1]
 
 
 def match_all_gather(collective: Node) -> Union[GatherMatch, Unfusable]:
@@ -190,7 +191,7 @@ def match_all_gather(collective: Node) -> Union[GatherMatch, Unfusable]:
     else:
         gathered, gather_dim, layout_nodes = wait, 0, ()
     gathered_value = _val(gathered)
-    consumers, others = _consumers_of(gathered)
+    consumers, others, views = _consumers_of(gathered)
     if not consumers:
         users = list(gathered.users)
         return Unfusable(f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through a "
@@ -208,7 +209,7 @@ def match_all_gather(collective: Node) -> Union[GatherMatch, Unfusable]:
                              f"gathered tensor's {gathered_value.dtype}")
         if gathered in _ancestors(consumer.b) or (consumer.bias is not None and gathered in _ancestors(consumer.bias)):
             return Unfusable(f"matmul {consumer.matmul.name}: its other operands depend on the gathered tensor")
-    return GatherMatch(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes,
+    return GatherMatch(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes, tuple(views),
                        tuple(consumers), return_a=bool(others))
 
 

@@ -94,8 +94,9 @@ def fuse_all_gather(graph: Graph, match: GatherMatch):
         graph.erase_node(consumer.matmul)
     if gathered is not None:
         match.gathered.replace_all_uses_with(gathered)
-    views = {c.view for c in match.consumers if c.view is not None}
-    _erase(graph, [v for v in views if not v.users])
+    for view in match.views:  # users first: a chain of reshapes goes from its end
+        if not view.users:
+            graph.erase_node(view)
     _erase(graph, [*reversed(match.layout_nodes), match.wait, match.collective])
     return fused
 
