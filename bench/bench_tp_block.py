@@ -22,11 +22,20 @@ Colwise / Rowwise styles: 2 all-gathers and 2 reduce-scatters forward, the same 
   plan gives its exposed communication and its ``busy`` time (step minus exposed): on CPU the transfers are
   work for the same cores, so hiding them makes the computation slower rather than free.
 
-Both plans' outputs and input gradients are checked against each other before timing. Ranks are started
+With ``--compiled`` (issue 6's comparison) three more contenders run in the same rounds, each the step with the
+block's forward under ``torch.compile(fullgraph=True)`` (inductor; its backward compiled by AOTAutograd):
+``native_c`` (the native plan), ``native_c+pass`` (the native plan compiled with fastmesh's fusion pass as this
+compile's ``post_grad_custom_post_pass`` option, what ``fastmesh.compile.enable_fusion()`` installs globally,
+which must fuse every collective of both graphs: the benchmark checks the pass's report) and ``fastmesh_c``
+(fastmesh's plan). Targets: ``native_c / native_c+pass >= 1.10`` where comm/compute >= 0.25, and ``fastmesh_c``
+no slower than ``fastmesh``. Compiling happens in the checking step, before any timing, with inductor's graph
+caches off (a cached graph would not run the pass, and the report could not be checked).
+
+Every contender's output and input gradient is checked against the native plan's before timing. Ranks are started
 and the allocator is configured as in ``bench_fused_collectives.py`` (spawned gloo ranks or ``torchrun``,
 one intra-op thread per rank, glibc's mmap/trim thresholds raised).
 
-    python bench/bench_tp_block.py [--quick] [--dtype float32 bfloat16] [--shapes 8x256x256x512 ...]
+    python bench/bench_tp_block.py [--quick] [--compiled] [--dtype float32 bfloat16] [--shapes 8x256x256x512 ...]
         [--repeats 20] [--warmup 3] [--profile-steps 5] [--json PATH]
     torchrun --nproc-per-node 2 bench/bench_tp_block.py --quick
 """
@@ -37,10 +46,13 @@ import os
 import statistics
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import parallelize_module
 
 import fastmesh
+import fastmesh.compile
 from bench_fused_collectives import DTYPES, _collectives, _exchange, metadata, print_machine, run_main, time_slowest_rank
 from fastmesh.testing.comm_profile import STEP_EVENT, cpu_profile, step_comm_times
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
@@ -48,6 +60,10 @@ from timing import median_iqr
 
 SPEEDUP_TARGET, RATIO_FOR_TARGET = 1.10, 0.25
 PLANS = ("native", "fastmesh")
+# name -> (plan, fusion pass on): the compiled contenders of --compiled
+COMPILED = {"native_c": ("native", False), "native_c+pass": ("native", True), "fastmesh_c": ("fastmesh", False)}
+# The collectives the pass must fuse per compiled block: 2 all-gathers and 2 reduce-scatters in each graph.
+FUSED_PER_GRAPH = {"forward": 4, "backward": 4}
 HEAD_DIM = 64
 # assert_close (rtol, atol) between the plans, for unit-scale outputs and input gradients (|values| up to ~8).
 # The reduction orders differ (the fused reduce-scatter adds fp32 partials and rounds once, gloo's rounds per
@@ -78,8 +94,9 @@ def parse_shape(spec, world):
 
 # ---- contenders ----
 
-def block_steps(shape, dtype, mesh):
-    """{plan: step()} on the same input and initial weights, after checking the plans agree."""
+def block_steps(shape, dtype, mesh, compiled=False):
+    """{contender: step()} on the same input and initial weights, after checking every contender's output and
+    input gradient against the native plan's (which also compiles the compiled ones)."""
     batch, seq_len, dim, ffn_hidden = shape
     tp, rank = mesh.size(), mesh.get_local_rank()
     heads = dim // HEAD_DIM
@@ -87,24 +104,52 @@ def block_steps(shape, dtype, mesh):
     rope = rope_tables(seq_len, args.head_dim, args.rope_theta)
     x = torch.randn(batch, seq_len // tp, dim, generator=torch.Generator().manual_seed(1000 + rank))
     x = x.to(dtype).requires_grad_()
+    variants = {plan: (plan, None) for plan in PLANS}
+    if compiled:
+        # The compiled contenders share one code object (the lambda in _step): forget earlier cases' graphs so
+        # that this case's three stay under dynamo's recompile limit (hitting it fails, see main()).
+        torch._dynamo.reset()
+        variants.update({name: (plan, fusion) for name, (plan, fusion) in COMPILED.items()})
     steps, results = {}, {}
-    for plan in PLANS:
-        torch.manual_seed(0)  # the same initial weights for both plans (each plan shards them from rank 0's)
+    for name, (plan, fusion) in variants.items():
+        torch.manual_seed(0)  # the same initial weights for every contender (each shards them from rank 0's)
         block = parallelize_module(Block(args).to(dtype), mesh, block_plan(plan))
-        steps[plan] = _step(block, x, rope)
-        results[plan] = (steps[plan](), x.grad)
+        steps[name] = _step(block, x, rope, fusion)
+        fastmesh.compile.fusion_report(reset=True)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        results[name] = (steps[name](), x.grad)  # compiles a compiled contender
+        if fusion is not None and torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs + 1:
+            raise RuntimeError(f"rank {rank}: {name} did not compile its own graph")
+        if fusion:
+            _check_fused(fastmesh.compile.fusion_report(), rank)
     rtol, atol = _TOLERANCES[dtype]
-    for what, native, fused in zip(("output", "input gradient"), results["native"], results["fastmesh"]):
-        torch.testing.assert_close(fused, native, rtol=rtol, atol=atol,
-                                   msg=lambda m: f"rank {rank}, {shape}, {dtype}, {what}: {m}")
+    for name in variants:
+        for what, want, got in zip(("output", "input gradient"), results["native"], results[name]):
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank}, {shape}, {dtype}, {name} {what}: {m}")
     return steps
 
 
-def _step(block, x, rope):
+def _check_fused(report, rank):
+    fused = {kind: sum(e.graph_kind == kind for e in report.fused) for kind in FUSED_PER_GRAPH}
+    if report.unfused or fused != FUSED_PER_GRAPH:
+        raise RuntimeError(f"rank {rank}: the fusion pass did not fuse the native block as expected "
+                           f"({fused} instead of {FUSED_PER_GRAPH}):\n{report}")
+
+
+def _step(block, x, rope, fusion=None):
+    """One training step; ``fusion`` None: eager; False / True: the block compiled without / with the pass."""
+    forward = block
+    if fusion is not None:
+        # The pass as this compile's own inductor option: the compiled contenders share one code object, and
+        # the option also keeps their dynamo cache entries apart (dynamo guards on the backend's config).
+        options = {"post_grad_custom_post_pass": fastmesh.compile.FusionPass(strict=True)} if fusion else None
+        forward = torch.compile(lambda x, rope: block(x, rope), fullgraph=True, options=options)
+
     def step():
         x.grad = None
         block.zero_grad(set_to_none=True)
-        out = block(x, rope)
+        out = forward(x, rope)
         out.sum().backward()
         return out.detach()
 
@@ -158,7 +203,7 @@ def profile_step(step, group, steps):
 
 def measure(shape, dtype, mesh, args):
     group = mesh.get_group()
-    contenders = {**block_steps(shape, dtype, mesh), **comm_contenders(shape, dtype, group)}
+    contenders = {**block_steps(shape, dtype, mesh, args.compiled), **comm_contenders(shape, dtype, group)}
     timings = time_slowest_rank(contenders, group, args.warmup, args.repeats)
     profiles = {plan: profile_step(contenders[plan], group, args.profile_steps) for plan in PLANS}
     return timings, profiles
@@ -187,10 +232,24 @@ def summarize(timings, profiles):
         **{f"{plan}_exposed_ms": exposed[plan] for plan in PLANS},
         "fastmesh_busy_ms": busy["fastmesh"],
     }
-    verdict = "ok" if figures["speedup"]["median"] >= SPEEDUP_TARGET else "MISS"
-    if derived["comm_over_compute"] < RATIO_FOR_TARGET:
-        verdict += f" (comm/compute < {RATIO_FOR_TARGET})"
+    verdict = _verdict(figures["speedup"]["median"], SPEEDUP_TARGET, derived["comm_over_compute"])
+    if "native_c" in timings:
+        for key, (over, under) in _COMPILED_RATIOS.items():
+            figures[key] = dict(zip(("median", "iqr"), median_iqr([o / u for o, u in zip(timings[over], timings[under])])))
+        verdict += "; pass " + _verdict(figures["pass_speedup"]["median"], SPEEDUP_TARGET, derived["comm_over_compute"])
+        verdict += "; fm_c " + ("ok" if figures["fastmesh_c_speedup"]["median"] >= 1.0 else "MISS")
     return figures, derived, verdict
+
+
+# figure -> (numerator, denominator) contenders, per round
+_COMPILED_RATIOS = {"pass_speedup": ("native_c", "native_c+pass"), "fastmesh_c_speedup": ("fastmesh", "fastmesh_c")}
+
+
+def _verdict(speedup, target, comm_over_compute):
+    verdict = "ok" if speedup >= target else "MISS"
+    if comm_over_compute < RATIO_FOR_TARGET:
+        verdict += f" (comm/compute < {RATIO_FOR_TARGET})"
+    return verdict
 
 
 # ---- report ----
@@ -199,6 +258,11 @@ _COLUMNS = (("native", "native_ms"), ("fastmesh", "fastmesh_ms"), ("speedup", "s
             ("p2p", "p2p_ms"), ("compute", "compute_ms"), ("comm/comp", "comm_over_compute"),
             ("bound", "bound_ms"), ("ideal", "ideal_speedup"), ("fm/bound", "fastmesh_over_bound"),
             ("nat exp", "native_exposed_ms"), ("fm exp", "fastmesh_exposed_ms"), ("fm busy", "fastmesh_busy_ms"))
+
+
+_COMPILED_COLUMNS = (("native_c", "native_c_ms"), ("native_c+pass", "native_c+pass_ms"),
+                     ("pass speedup", "pass_speedup"), ("fastmesh_c", "fastmesh_c_ms"),
+                     ("fm eager/c", "fastmesh_c_speedup"))
 
 
 def print_header(meta, args):
@@ -214,19 +278,33 @@ def print_header(meta, args):
     print("compute = native step minus its exposed comm (profiled); bound = max(comm, compute); ideal = native / "
           "bound; exp = exposed comm per step (profiled), busy = step - exposed")
     print(f"target: speedup = native / fastmesh >= {SPEEDUP_TARGET:.2f} (where comm/compute >= {RATIO_FOR_TARGET})")
+    if args.compiled:
+        print("compiled (torch.compile fullgraph, inductor): native_c, native_c+pass (fastmesh.compile.FusionPass), "
+              f"fastmesh_c; targets: pass speedup = native_c / native_c+pass >= {SPEEDUP_TARGET:.2f}, "
+              "fm eager/c = fastmesh / fastmesh_c >= 1")
     print(f"\n{'case BxSxDxF':18s} {'dtype':8s} " + " ".join(f"{title:>11s}" for title, _ in _COLUMNS) + "  target")
 
 
-def print_row(row):
+def _cells(row, columns):
     cells = []
-    for _, key in _COLUMNS:
-        digits = 2 if key in ("speedup", "comm_over_compute", "ideal_speedup", "fastmesh_over_bound") else 1
+    for _, key in columns:
+        digits = 2 if key in _RATIO_KEYS else 1
         if key in row["figures"]:
             figure = row["figures"][key]
             cells.append(f"{figure['median']:.{digits}f}±{figure['iqr']:.{digits}f}")
         else:
             cells.append(f"{row['derived'][key]:.{digits}f}")
-    print(f"{row['case']:18s} {row['dtype']:8s} " + " ".join(f"{c:>11s}" for c in cells) + f"  {row['verdict']}")
+    return " ".join(f"{c:>11s}" for c in cells)
+
+
+_RATIO_KEYS = ("speedup", "comm_over_compute", "ideal_speedup", "fastmesh_over_bound", *_COMPILED_RATIOS)
+
+
+def print_row(row):
+    print(f"{row['case']:18s} {row['dtype']:8s} " + _cells(row, _COLUMNS) + f"  {row['verdict']}")
+    if "native_c_ms" in row["figures"]:
+        titles = " ".join(f"{title}" for title, _ in _COMPILED_COLUMNS)
+        print(f"    compiled ({titles}): {_cells(row, _COMPILED_COLUMNS)}")
     for plan in PLANS:
         print(f"    {plan} exposed ms by event: {_by_name(row['profiles_s'][plan])}", flush=True)
 
@@ -250,6 +328,12 @@ def print_summary(rows):
 
 def run(group, args, world):
     torch.set_num_threads(args.threads)
+    # A compiled contender that silently fell back to eager would be timed as if compiled.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    # A graph served from inductor's caches (e.g. written by the other rank) does not run the fusion pass, whose
+    # report is checked.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     mesh = fastmesh.init_mesh(tp=world)
     leader = group.rank() == 0
     if leader:
@@ -286,6 +370,9 @@ def parse_args():
                         help="profiled steps per plan for compute and exposed comm (default 5; 3 with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--quick", action="store_true", help="one case, 5 rounds (under a minute)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the compiled native plan without and with fastmesh's fusion pass, and the "
+                             "compiled fastmesh plan (each compiles once per case and dtype)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every figure and the metadata here")
     args = parser.parse_args()
     args.repeats = args.repeats or (5 if args.quick else 20)
