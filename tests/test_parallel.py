@@ -402,6 +402,33 @@ def test_compiled_block_matches_eager_in_one_graph():
         assert counter.frame_count == frames_after_first, (case, counter.frame_count, frames_after_first)
 
 
+@on_ranks(2)
+def test_compiled_bf16_sibling_linears_match_eager():
+    """inductor, bf16: the siblings' backward concatenates their weights for one reduce-scatter. Built from
+    transposed weights, inductor's CPU code filled that cat with NaNs (16-bit transposes into a cat; torch 2.11
+    and 2.14, tiles of 32: hence these sizes), so the ops concatenate the weights as they lie."""
+    from fastmesh.testing.llama import FeedForward
+
+    torch.manual_seed(0)
+    ffn = FeedForward(LlamaArgs(dim=128, ffn_hidden=256)).to(torch.bfloat16)
+    parallelize_module(ffn, _tp_mesh(), {"": FusedColwiseParallel(linears=("w1", "w3")), "w2": FusedRowwiseParallel()})
+    x = _shard(_randn((2, 64, 128), seed=1, dtype=torch.bfloat16), 1)
+
+    def step(fn):
+        x_ = x.clone().requires_grad_()
+        fn(x_).float().sum().backward()
+        grads = {"x": x_.grad, **_full_grads(ffn)}
+        ffn.zero_grad()
+        return grads
+
+    torch._dynamo.reset()
+    want, got = step(ffn), step(torch.compile(lambda x: ffn(x), fullgraph=True))
+    for name in want:
+        assert not got[name].isnan().any(), name
+        # bf16: the compiled graph rounds intermediate products differently (sums of 128-256 terms ~10).
+        torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=0.25, msg=name)
+
+
 # ---- bad plans ----
 
 class _NotLinear(nn.Module):

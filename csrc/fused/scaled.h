@@ -60,11 +60,18 @@ inline void check_out_dtype(at::ScalarType out_dtype, const char* op) {
 
 // (a_rows * a_scale) @ (b * b_scale) in `out_dtype`, through torch._scaled_mm, which wants both scales
 // tensor-wise or both row-wise: a tensor-wise scale beside a row-wise one is expanded.
+// _scaled_mm wants 2-D scales with the standard strides. A size-1 dim may carry any stride (a reshape in a
+// compiled graph gives 0) and contiguous() keeps it: such a tensor already counts as contiguous.
+inline at::Tensor with_standard_strides(const at::Tensor& scale) {
+  if (scale.stride(1) == 1 && scale.stride(0) == scale.size(1)) return scale;
+  return scale.clone(at::MemoryFormat::Contiguous);
+}
+
 inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,
                             const at::Tensor& b_scale, at::ScalarType out_dtype, at::Tensor* out = nullptr) {
   const bool rowwise = a_scale.dim() > 0 || b_scale.dim() > 0;
-  const at::Tensor sa = rowwise ? a_scale.expand({a_rows.size(0), 1}).contiguous() : a_scale;
-  const at::Tensor sb = rowwise ? b_scale.expand({1, b.size(1)}).contiguous() : b_scale;
+  const at::Tensor sa = rowwise ? with_standard_strides(a_scale.expand({a_rows.size(0), 1})) : a_scale;
+  const at::Tensor sb = rowwise ? with_standard_strides(b_scale.expand({1, b.size(1)})) : b_scale;
   if (out) return at::_scaled_mm_out(*out, a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
   return at::_scaled_mm(a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
 }

@@ -140,20 +140,29 @@ def _torch_fused(node: Node) -> Optional[str]:
 
 
 def _gather_detail(match: patterns.GatherMatch) -> str:
-    return f"gather_dim={match.gather_dim}, group={match.group_name}, return_a={match.return_a}"
+    detail = f"gather_dim={match.gather_dim}, group={match.group_name}, return_a={match.return_a}"
+    if match.scale_gather is not None:
+        detail += f", with the row-wise scales' all-gather {match.scale_gather.collective.name}"
+    elif match.a_scale is not None:
+        detail += ", tensor-wise scale (replicated)"
+    return detail
 
 
 def _scatter_detail(match: patterns.ScatterMatch) -> str:
     return f"scatter_dim={match.scatter_dim}, reduce_op={match.reduce_op}, group={match.group_name}"
 
 
-# collective name, its node target, matcher, rewriter, the fastmesh op, the match's matmuls, detail
+# collective name, its node target, matcher, rewriter, the match's matmuls, detail
 _RULES = (
     ("all_gather", patterns.ALL_GATHER, patterns.match_all_gather, rewrite.fuse_all_gather,
-     "fastmesh.all_gather_matmul", lambda m: len(m.consumers), _gather_detail),
+     lambda m: len(m.consumers), _gather_detail),
     ("reduce_scatter", patterns.REDUCE_SCATTER, patterns.match_reduce_scatter, rewrite.fuse_reduce_scatter,
-     "fastmesh.matmul_reduce_scatter", lambda m: len(m.terms), _scatter_detail),
+     lambda m: len(m.terms), _scatter_detail),
 )
+
+
+def _op_name(node: Node) -> str:
+    return str(node.target).removesuffix(".default")
 
 
 def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
@@ -168,16 +177,29 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
             collective = "all_gather" if "all_gather" in torch_op else "reduce_scatter"
             entries.append(FusionEntry(index, kind, collective, node.name, torch_op, 1,
                                        "fused by torch's _micro_pipeline_tp, which runs first"))
-    for collective, target, match_fn, fuse_fn, op_name, matmuls, detail in _RULES:
-        for node in [n for n in graph.nodes if n.target == target]:
-            name = node.name
-            match = match_fn(node)
-            fused = match if isinstance(match, patterns.Unfusable) else fuse_fn(graph, match)
+    for collective, target, match_fn, fuse_fn, matmuls, detail in _RULES:
+        # Match everything first: an FP8 gather carries its scales' gather, which must not be reported as left.
+        found = [(node.name, match_fn(node)) for node in graph.nodes if node.target == target]
+        outcomes, carried = {}, {}
+        for name, match in found:
+            if isinstance(match, patterns.Unfusable):
+                continue
+            fused = fuse_fn(graph, match)
             if isinstance(fused, patterns.Unfusable):
-                entries.append(FusionEntry(index, kind, collective, name, None, 0, fused.reason))
-            else:
-                entries.append(FusionEntry(index, kind, collective, name, op_name, matmuls(match),
-                                           f"{fused.name}: {detail(match)}"))
+                outcomes[name] = FusionEntry(index, kind, collective, name, None, 0, fused.reason)
+                continue
+            outcomes[name] = FusionEntry(index, kind, collective, name, _op_name(fused), matmuls(match),
+                                         f"{fused.name}: {detail(match)}")
+            scale_gather = getattr(match, "scale_gather", None)
+            if scale_gather is not None:
+                carried[scale_gather.collective.name] = name
+        for name, match in found:
+            if name in carried:
+                outcomes[name] = FusionEntry(index, kind, collective, name, outcomes[carried[name]].fused_into, 0,
+                                             f"the row-wise scales of {carried[name]}, carried by its fused op")
+            elif name not in outcomes:
+                outcomes[name] = FusionEntry(index, kind, collective, name, None, 0, match.reason)
+        entries += [outcomes[name] for name, _ in found]
     stable_topological_sort(graph)
     graph.lint()
     _recorder.add(entries)

@@ -27,16 +27,20 @@ from typing import Optional, Union
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.operator_schemas import normalize_function
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
+ALL_REDUCE = _c10d.all_reduce.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 WAIT = _c10d.wait_tensor.default
 RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 MM = aten.mm.default
 ADDMM = aten.addmm.default
 SCALED_MM = aten._scaled_mm.default
+DTYPE_VIEW = aten.view.dtype
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The dtypes the fastmesh ops multiply (fastmesh/ops/_checks.py); FP8 data goes through the scaled forms.
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCE_OPS = ("sum", "avg")
@@ -51,12 +55,28 @@ class Unfusable:
 
 @dataclasses.dataclass(frozen=True)
 class Consumer:
-    """``matmul`` = ``mm(view or gathered, b)`` or ``addmm(bias, view or gathered, b)``."""
+    """``matmul`` = ``mm(view or gathered, b)``, ``addmm(bias, view or gathered, b)`` or
+    ``_scaled_mm(view or gathered, b, scale_a, scale_b, ...)`` (its arguments by name in ``scaled``)."""
 
     matmul: Node
     view: Optional[Node]  # the last reshape before the matmul (2-D), None if the matmul reads the gathered tensor
     b: Node
     bias: Optional[Node]
+    scaled: Optional[dict] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleGather:
+    """The all-gather of row-wise FP8 scales that travels beside the data's: the fused op carries them."""
+
+    shard: Node
+    gathered: Node
+    reshapes: tuple[Node, ...]  # from the matmuls' scale_a down to ``gathered``, users first
+    layout_nodes: tuple[Node, ...]  # from ``gathered`` to the collective, users first
+
+    @property
+    def collective(self) -> Node:
+        return self.layout_nodes[-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +90,10 @@ class GatherMatch:
     layout_nodes: tuple[Node, ...]  # split, getitems, cat (empty when gather_dim == 0)
     views: tuple[Node, ...]  # the reshapes between the gathered tensor and the matmuls, users first
     consumers: tuple[Consumer, ...]
-    return_a: bool  # the gathered tensor has other users than the fused matmuls
+    return_a: bool  # the gathered tensor (or its gathered row-wise scales) has other users than the matmuls
+    a_scale: Optional[Node] = None  # FP8: the shard's scale (tensor-wise, or the row-wise scales' shard)
+    scale_gather: Optional[ScaleGather] = None  # FP8 row-wise: the scales' own all-gather, fused too
+    out_dtype: Optional[torch.dtype] = None  # FP8: the _scaled_mm output dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +107,7 @@ class ScatterMatch:
     terms: tuple[Node, ...]  # the mm nodes whose sum (through reshapes) is ``product``
     shape_args: list  # ``product``'s shape as reshape arguments (ints and SymInt nodes of the graph)
     chain: tuple[Node, ...]  # every node between the mms and the wait, erased after the rewrite
+    scaled: Optional[dict] = None  # FP8: the one term's _scaled_mm arguments by name
 
 
 def _val(node) -> Optional[torch.Tensor]:
@@ -114,6 +138,84 @@ def _ancestors(node: Node) -> set[Node]:
                 seen.add(parent)
                 stack.append(parent)
     return seen
+
+
+def _scaled_mm_args(node: Node) -> dict:
+    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+
+
+def _same_on_every_rank(node: Node) -> bool:
+    """Whether ``node`` is provably replicated: every path up from it ends in an all-reduce's result or in a
+    constant (never in a graph input, which each rank gives its own)."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.target == WAIT and current.args[0].target == ALL_REDUCE:
+            continue
+        if current.op in ("placeholder", "get_attr"):
+            return False
+        stack.extend(current.all_input_nodes)
+    return True
+
+
+def _fp8_view(node: Node) -> Optional[Node]:
+    """The only user of ``node`` if it reinterprets it as FP8 (gloo gathers FP8 bytes as uint8)."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].target == DTYPE_VIEW and users[0].args[1] in FP8_DTYPES:
+        return users[0]
+    return None
+
+
+def _gathered_tensor(collective: Node):
+    """``(wait, gathered, gather_dim, layout nodes)`` of an all-gather: the tensor its program uses, after the
+    split/cat that moves the rank blocks to ``gather_dim`` and any view as FP8; None if its result is used
+    before or besides its wait."""
+    users = list(collective.users)
+    if len(users) != 1 or users[0].target != WAIT:
+        return None
+    wait = stacked = users[0]
+    layout: list[Node] = []
+    view = _fp8_view(stacked)
+    if view is not None:
+        layout.append(view)
+        stacked = view
+    found = _stacked_ranks_layout(stacked, collective.args[1])
+    gathered, gather_dim = stacked, 0
+    if found is not None:
+        gathered, gather_dim, nodes = found
+        layout += nodes
+    view = _fp8_view(gathered)
+    if view is not None:
+        layout.append(view)
+        gathered = view
+    return wait, gathered, gather_dim, tuple(layout)
+
+
+def _scale_gather(scale: Node, shard: Node, gather_dim: int) -> Union[ScaleGather, Unfusable]:
+    """The all-gather whose result, through reshapes, is the row-wise ``scale`` of a gathered FP8 operand:
+    the same group and layout as the data's, gathering a ``[..., 1]`` shard of the data shard's rows."""
+    chain: list[Node] = []
+    node = scale
+    while node.target in RESHAPES:
+        chain.append(node)
+        node = node.args[0]
+    source = node
+    while source.target in (aten.cat.default, operator.getitem, aten.split.Tensor) or source.target in RESHAPES:
+        source = source.args[0][0] if source.target == aten.cat.default else source.args[0]
+    collective = source.args[0] if source.target == WAIT else None
+    found = _gathered_tensor(collective) if collective is not None and collective.target == ALL_GATHER else None
+    if found is None or found[1] is not node or found[2] != gather_dim:
+        return Unfusable("the row-wise scale of the gathered FP8 operand is not the all-gather of a scale shard "
+                         "along the same dim")
+    wait, gathered, _, layout = found
+    scale_shard = collective.args[0]
+    want = tuple(_val(shard).shape[:-1]) + (1,)
+    if _val(scale_shard) is None or tuple(_val(scale_shard).shape) != want:
+        return Unfusable(f"the gathered row-wise scale's shard is not [..., 1] of the data shard's rows {list(want)}")
+    return ScaleGather(scale_shard, gathered, tuple(chain), (*reversed(layout), wait, collective))
 
 
 def _stacked_ranks_layout(stacked: Node, world: int):
@@ -155,6 +257,9 @@ def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node], list[Node
         if (user.target == ADDMM and len(user.args) == 3 and not user.kwargs
                 and user.args[1] is operand and user.args[2] is not operand):
             return Consumer(user, None, user.args[2], user.args[0])
+        if user.target == SCALED_MM and user.args[0] is operand:
+            scaled = _scaled_mm_args(user)
+            return Consumer(user, None, scaled["mat2"], scaled["bias"], scaled)
         return None
 
     def visit(node: Node, view: Optional[Node]) -> None:
@@ -176,41 +281,71 @@ def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node], list[Node
 
 
 def match_all_gather(collective: Node) -> Union[GatherMatch, Unfusable]:
-    shard, world, group_name = collective.args[:3]
-    users = list(collective.users)
-    if len(users) != 1 or users[0].target != WAIT:
-        return Unfusable(f"the all-gather's result is used before or besides its wait_tensor ({_describe(users)})")
-    wait = users[0]
-    shard_value = _val(shard)
-    if shard_value is None or shard_value.dim() == 0:
-        return Unfusable("the gathered shard has no known shape (or is 0-d)")
-
-    layout = _stacked_ranks_layout(wait, world)
-    if layout is not None:
-        gathered, gather_dim, layout_nodes = layout
-    else:
-        gathered, gather_dim, layout_nodes = wait, 0, ()
+    shard, _, group_name = collective.args[:3]
+    found = _gathered_tensor(collective)
+    if found is None:
+        return Unfusable(f"the all-gather's result is used before or besides its wait_tensor "
+                         f"({_describe(collective.users)})")
+    wait, gathered, gather_dim, layout_nodes = found
     gathered_value = _val(gathered)
+    if gathered_value is None or gathered_value.dim() == 0:
+        return Unfusable("the gathered tensor has no known shape (or is 0-d)")
+    fp8 = gathered_value.dtype in FP8_DTYPES
+    if fp8 and _val(shard).dtype not in FP8_DTYPES:
+        if shard.target != DTYPE_VIEW or _val(shard.args[0]).dtype != gathered_value.dtype:
+            return Unfusable("the gathered FP8 data is not the all-gather of an FP8 shard (or of its bytes)")
+        shard = shard.args[0]
     consumers, others, views = _consumers_of(gathered)
     if not consumers:
-        users = list(gathered.users)
-        return Unfusable(f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through a "
-                         f"reshape to 2-D; its users: {_describe(users)}")
-    if any(c.matmul.target == SCALED_MM for c in consumers):
-        return Unfusable("an FP8 aten._scaled_mm consumer: the pass does not rewrite scaled matmuls yet "
-                         "(FusedColwiseParallel(fp8=...) fuses FP8 gathers)")
-    if gathered_value.dtype not in MATMUL_DTYPES:
-        return Unfusable(f"the gathered tensor is {gathered_value.dtype}; the fused op multiplies "
-                         f"{', '.join(map(str, MATMUL_DTYPES))}")
+        return Unfusable(f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through "
+                         f"reshapes to 2-D; its users: {_describe(gathered.users)}")
+    if not fp8 and gathered_value.dtype not in MATMUL_DTYPES:
+        return Unfusable(f"the gathered tensor is {gathered_value.dtype}; the fused ops multiply "
+                         f"{', '.join(map(str, MATMUL_DTYPES + FP8_DTYPES))}")
     for consumer in consumers:
         b_value = _val(consumer.b)
-        if b_value is None or b_value.dtype != gathered_value.dtype:
+        if b_value is None or (b_value.dtype != gathered_value.dtype and not fp8):
             return Unfusable(f"matmul {consumer.matmul.name}: its right operand's dtype differs from the "
                              f"gathered tensor's {gathered_value.dtype}")
-        if gathered in _ancestors(consumer.b) or (consumer.bias is not None and gathered in _ancestors(consumer.bias)):
+        if (consumer.scaled is not None) != fp8:
+            return Unfusable(f"matmul {consumer.matmul.name}: {'FP8 data in a plain matmul' if fp8 else 'a scaled matmul of high-precision data'}")
+        if any(gathered in _ancestors(arg) for arg in (consumer.b, consumer.bias) if isinstance(arg, Node)):
             return Unfusable(f"matmul {consumer.matmul.name}: its other operands depend on the gathered tensor")
-    return GatherMatch(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes, tuple(views),
-                       tuple(consumers), return_a=bool(others))
+    match = GatherMatch(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes, tuple(views),
+                        tuple(consumers), return_a=bool(others))
+    return _with_scales(match) if fp8 else match
+
+
+def _with_scales(match: GatherMatch) -> Union[GatherMatch, Unfusable]:
+    """The FP8 form: one output dtype and one scale of the gathered operand for every _scaled_mm; a tensor-wise
+    scale must be the same on every rank (the fused op dequantizes each rank's rows with that rank's scale, the
+    native graph all rows with its own), a row-wise one is the all-gather of the scales, fused too."""
+    args = [c.scaled for c in match.consumers]
+    for consumer, scaled in zip(match.consumers, args):
+        if scaled["bias"] is not None or scaled["scale_result"] is not None:
+            return Unfusable(f"_scaled_mm {consumer.matmul.name} has a bias or scale_result, which the fused op has not")
+    if len({a["out_dtype"] for a in args}) != 1:
+        return Unfusable("the _scaled_mm consumers have different out_dtypes (one fused op has one)")
+    scale = args[0]["scale_a"]
+    if any(a["scale_a"] is not scale for a in args):
+        return Unfusable("the _scaled_mm consumers scale the gathered operand with different scale_a")
+    scale_value = _val(scale)
+    out_dtype = args[0]["out_dtype"] or _val(match.gathered).dtype
+    if scale_value is not None and scale_value.dim() == 0:
+        if not _same_on_every_rank(scale):
+            return Unfusable("the tensor-wise scale_a is not provably the same on every rank (derive it from an "
+                             "all-reduced amax, or use row-wise scales)")
+        return dataclasses.replace(match, a_scale=scale, out_dtype=out_dtype)
+    scale_gather = _scale_gather(scale, match.shard, match.gather_dim)
+    if isinstance(scale_gather, Unfusable):
+        return scale_gather
+    # Users of the gathered scales other than the matmuls (through the reshapes to scale_a) need them returned.
+    reshapes = set(scale_gather.reshapes)
+    matmuls = {c.matmul for c in match.consumers}
+    scale_others = [u for n in reshapes | {scale_gather.gathered} for u in n.users
+                    if u not in reshapes and u not in matmuls]
+    return dataclasses.replace(match, a_scale=scale_gather.shard, scale_gather=scale_gather, out_dtype=out_dtype,
+                               return_a=match.return_a or bool(scale_others))
 
 
 def _strip_reshapes(node: Node, chain: list[Node]) -> Node:
@@ -250,8 +385,13 @@ def _product_terms(product: Node, chain: list[Node]) -> Union[list[Node], Unfusa
         return Unfusable(f"{node.name} is an addmm: a bias added before the reduce-scatter would be summed over "
                          "ranks; the pass fuses only mm")
     if node.target == SCALED_MM:
-        return Unfusable("the product is an FP8 aten._scaled_mm: the pass does not rewrite scaled matmuls yet "
-                         "(FusedRowwiseParallel(fp8=...) fuses them)")
+        scaled = _scaled_mm_args(node)
+        if scaled["bias"] is not None or scaled["scale_result"] is not None:
+            return Unfusable(f"_scaled_mm {node.name} has a bias or scale_result, which the fused op has not")
+        if node is not product and len(node.users) != 1:
+            return Unfusable(f"the matmul {node.name} feeding the reduce-scatter has other users")
+        chain.append(node)
+        return [node]
     return Unfusable(f"the reduce-scatter's input is not a matmul or a sum of matmuls: {_describe([node])}")
 
 
@@ -301,8 +441,13 @@ def match_reduce_scatter(collective: Node) -> Union[ScatterMatch, Unfusable]:
     terms = _product_terms(product, chain)
     if isinstance(terms, Unfusable):
         return terms
+    scaled = _scaled_mm_args(terms[0]) if terms[0].target == SCALED_MM else None
+    if scaled is not None and len(terms) > 1:
+        return Unfusable("a sum of scaled matmuls: the fused op multiplies one pair of FP8 operands")
     dtypes = {_val(t.args[i]).dtype for t in terms for i in (0, 1)}
-    if len(dtypes) != 1 or not dtypes <= set(MATMUL_DTYPES):
+    if scaled is not None and not dtypes <= set(FP8_DTYPES):
+        return Unfusable(f"the scaled matmul's operands are {sorted(map(str, dtypes))}, not FP8")
+    if scaled is None and (len(dtypes) != 1 or not dtypes <= set(MATMUL_DTYPES)):
         return Unfusable(f"the matmul operands are {sorted(map(str, dtypes))}; the fused op multiplies one of "
                          f"{', '.join(map(str, MATMUL_DTYPES))}")
     if len(terms) > 1 and not all(isinstance(_val(t.args[0]).shape[1], int) for t in terms):
@@ -311,4 +456,4 @@ def match_reduce_scatter(collective: Node) -> Union[ScatterMatch, Unfusable]:
     if shape_args is None:
         return Unfusable("the reduced tensor's symbolic shape is not available as reshape arguments")
     return ScatterMatch(collective, waits[0], reduce_op, scatter_dim, group_name, product, tuple(terms),
-                        shape_args, tuple(chain))
+                        shape_args, tuple(chain), scaled)

@@ -13,6 +13,7 @@ import operator
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
 
 from fastmesh.compile.patterns import GatherMatch, ScatterMatch, Unfusable
@@ -52,6 +53,24 @@ def _erase(graph: Graph, nodes) -> None:
         graph.erase_node(node)
 
 
+def _is_transposed_contiguous(matrix: torch.Tensor) -> bool:
+    rows, cols = matrix.shape
+    # Decided without guards: sizes may be symbolic.
+    return (statically_known_true(matrix.stride(0) == 1) and statically_known_true(matrix.stride(1) == rows)
+            and not statically_known_true(cols == 1))
+
+
+def _cat_matrices(build: _NodeBuilder, matrices, dim: int) -> Node:
+    """``cat(matrices, dim)`` of 2-D nodes. When every matrix is a transposed view of a contiguous one (a
+    weight ``w.t()``), the contiguous ones are concatenated along the other dim and the result transposed: no
+    transposing copy, and no transposes materialized into a cat, which inductor's CPU code gets wrong for
+    16-bit dtypes (NaNs; torch 2.11 and 2.14)."""
+    if all(_is_transposed_contiguous(m.meta["val"]) for m in matrices):
+        rows = [build.call(aten.permute.default, m, [1, 0]) for m in matrices]
+        return build.call(aten.permute.default, build.call(aten.cat.default, rows, 1 - dim), [1, 0])
+    return build.call(aten.cat.default, list(matrices), dim)
+
+
 def _first_in_graph(graph: Graph, nodes) -> Node:
     wanted = set(nodes)
     return next(n for n in graph.nodes if n in wanted)
@@ -68,14 +87,29 @@ def _matrix_shape(consumer) -> list:
     return [rows, -1]
 
 
+def _erase_unused(graph: Graph, nodes) -> None:
+    """Erase those of ``nodes`` (given users first) that nothing uses any more."""
+    for node in nodes:
+        if not node.users:
+            graph.erase_node(node)
+
+
 def fuse_all_gather(graph: Graph, match: GatherMatch):
-    """Replace the gather and its consumer matmuls by one ``fastmesh::all_gather_matmul``. Returns the new
-    node, or an :class:`Unfusable` if the fused op's fake impl rejects the arguments."""
+    """Replace the gather (and, FP8 row-wise, its scales' gather) and its consumer matmuls by one
+    ``fastmesh::all_gather_matmul`` / ``all_gather_scaled_matmul``. Returns the new node, or an
+    :class:`Unfusable` if the fused op's fake impl rejects the arguments."""
     build = _NodeBuilder(graph, _first_in_graph(graph, [c.matmul for c in match.consumers]))
+    bs = [c.b for c in match.consumers]
     try:
-        fused = build.call(torch.ops.fastmesh.all_gather_matmul.default, match.shard,
-                           [c.b for c in match.consumers], match.gather_dim, match.group_name, match.return_a)
-        products = build.call(operator.getitem, fused, 1)
+        if match.a_scale is None:
+            fused = build.call(torch.ops.fastmesh.all_gather_matmul.default, match.shard, bs, match.gather_dim,
+                               match.group_name, match.return_a)
+            products = build.call(operator.getitem, fused, 1)
+        else:
+            b_scales = [c.scaled["scale_b"] for c in match.consumers]
+            fused = build.call(torch.ops.fastmesh.all_gather_scaled_matmul.default, match.shard, match.a_scale, bs,
+                               b_scales, match.gather_dim, match.group_name, match.out_dtype, match.return_a)
+            products = build.call(operator.getitem, fused, 2)
         outputs = []
         for index, consumer in enumerate(match.consumers):
             out = build.call(operator.getitem, products, index)
@@ -85,43 +119,58 @@ def fuse_all_gather(graph: Graph, match: GatherMatch):
                 out = build.call(aten.add.Tensor, out, consumer.bias)
             outputs.append(out)
         gathered = build.call(operator.getitem, fused, 0) if match.return_a else None
+        scales = build.call(operator.getitem, fused, 1) if match.return_a and match.scale_gather else None
     except Exception as error:  # the op's own checks, e.g. a shard the group size does not divide
         build.undo()
-        return Unfusable(f"fastmesh.all_gather_matmul rejects the arguments: {error}")
+        return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")
 
     for consumer, out in zip(match.consumers, outputs):
         consumer.matmul.replace_all_uses_with(out)
         graph.erase_node(consumer.matmul)
     if gathered is not None:
         match.gathered.replace_all_uses_with(gathered)
-    for view in match.views:  # users first: a chain of reshapes goes from its end
-        if not view.users:
-            graph.erase_node(view)
+    if scales is not None:
+        match.scale_gather.gathered.replace_all_uses_with(scales)
+    _erase_unused(graph, match.views)
+    shard_bytes = match.collective.args[0]  # FP8 on gloo: a uint8 view of the shard
     _erase(graph, [*reversed(match.layout_nodes), match.wait, match.collective])
+    if match.scale_gather is not None:
+        _erase_unused(graph, match.scale_gather.reshapes)
+        _erase(graph, match.scale_gather.layout_nodes)
+    _erase_unused(graph, [shard_bytes])
     return fused
 
 
 def fuse_reduce_scatter(graph: Graph, match: ScatterMatch):
-    """Replace the matmul(s) and the reduce-scatter by one ``fastmesh::matmul_reduce_scatter``; a sum of
-    matmuls ``sum_j x_j @ b_j`` becomes one matmul of ``cat(x_j, -1)`` by ``cat(b_j, 0)``. Returns the new
-    node or an :class:`Unfusable`."""
+    """Replace the matmul(s) and the reduce-scatter by one ``fastmesh::matmul_reduce_scatter`` (or, for a
+    ``_scaled_mm``, ``scaled_matmul_reduce_scatter``); a sum of matmuls ``sum_j x_j @ b_j`` becomes one matmul
+    of ``cat(x_j, -1)`` by ``cat(b_j, 0)``. Returns the new node or an :class:`Unfusable`."""
     build = _NodeBuilder(graph, match.collective)
     terms = match.terms
     try:
         if len(terms) == 1:
             a, b = terms[0].args[0], terms[0].args[1]
         else:
-            a = build.call(aten.cat.default, [t.args[0] for t in terms], 1)
-            b = build.call(aten.cat.default, [t.args[1] for t in terms], 0)
+            a = _cat_matrices(build, [t.args[0] for t in terms], 1)
+            b = _cat_matrices(build, [t.args[1] for t in terms], 0)
         contraction = a.meta["val"].shape[1]
+        scaled = match.scaled
+        a_scale = scaled["scale_a"] if scaled else None
         if len(match.shape_args) != 2:
             lead = match.shape_args[:-1]
             a = build.call(aten.reshape.default, a, [*lead, contraction if isinstance(contraction, int) else -1])
-        fused = build.call(torch.ops.fastmesh.matmul_reduce_scatter.default, a, b, match.scatter_dim,
-                           match.reduce_op, match.group_name)
+            if scaled and a_scale.meta["val"].dim() == 2:  # row-wise: one scale per row of a
+                a_scale = build.call(aten.reshape.default, a_scale, [*lead, 1])
+        if scaled:
+            fused = build.call(torch.ops.fastmesh.scaled_matmul_reduce_scatter.default, a, a_scale, b,
+                               scaled["scale_b"], match.scatter_dim, match.reduce_op, match.group_name,
+                               scaled["out_dtype"] or a.meta["val"].dtype)
+        else:
+            fused = build.call(torch.ops.fastmesh.matmul_reduce_scatter.default, a, b, match.scatter_dim,
+                               match.reduce_op, match.group_name)
     except Exception as error:
         build.undo()
-        return Unfusable(f"fastmesh.matmul_reduce_scatter rejects the arguments: {error}")
+        return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")
 
     for user in list(match.collective.users):
         if user.op == "output":  # the collective saved for backward

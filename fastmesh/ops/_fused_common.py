@@ -83,7 +83,15 @@ def input_grad_operands(bs, grads) -> tuple[torch.Tensor, torch.Tensor]:
     if len(grads) == 1:
         g, i = grads[0]
         return g, bs[i].t()
-    return torch.cat([g for g, _ in grads], dim=-1), torch.cat([bs[i] for _, i in grads], dim=1).t()
+    chosen = [bs[i] for _, i in grads]
+    # Concatenate in the layout the bs have (typically w.t() views of row-major weights: their transposes are
+    # contiguous). Besides saving a transposing copy, this keeps inductor away from materializing transposes
+    # into a cat, which its CPU code gets wrong for 16-bit dtypes (NaNs; torch 2.11 and 2.14).
+    if all(b.t().is_contiguous() for b in chosen):
+        b_t = torch.cat([b.t() for b in chosen], dim=0)
+    else:
+        b_t = torch.cat(chosen, dim=1).t()
+    return torch.cat([g for g, _ in grads], dim=-1), b_t
 
 
 def reduce_scatter_gathered_grad(grad_a_full, bs, grads, gather_dim: int, group_name: str) -> torch.Tensor:
