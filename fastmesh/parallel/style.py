@@ -173,8 +173,11 @@ class FusedColwiseParallel(ParallelStyle):
             raise TypeError(f"{_COLWISE}: linears= names sibling linears of a parent module, but it was applied to an "
                             "nn.Linear; apply FusedColwiseParallel() to the linear itself")
         siblings = _Siblings(self, device_mesh, module)
-        module.register_forward_pre_hook(siblings.gather_and_multiply, with_kwargs=True)
-        module.register_forward_hook(siblings.release)
+        # A wrapped forward rather than forward hooks: compiling the parent itself (torch.compile(parent),
+        # parent.compile()) compiles its hooks as frames of their own, whose gathered-input output then gets a
+        # plain-tensor gradient where AOTAutograd expects a DTensor (pytorch/pytorch#172556). Inside forward,
+        # the gather is in the parent's graph however it is compiled.
+        module.forward = types.MethodType(siblings.wrap_forward(module.forward), module)
         return module
 
     def _multiply(self, mesh: DeviceMesh, named_linears, x_shard: torch.Tensor, placement: Shard, return_a: bool):
@@ -234,7 +237,7 @@ _SIBLING_OUTPUTS = "_fastmesh_sibling_outputs"
 
 
 class _Siblings:
-    """The linears of a parent under ``FusedColwiseParallel(linears=...)``: the parent's forward pre-hook runs
+    """The linears of a parent under ``FusedColwiseParallel(linears=...)``: the parent's wrapped forward first runs
     one fused gather + matmuls and hands the parent the gathered input, carrying the linears' outputs; each
     linear called with that input returns its output."""
 
@@ -279,11 +282,22 @@ class _Siblings:
             self.eager_gathered = gathered
         return (gathered, *args[1:]), kwargs
 
-    def release(self, *_hook_args) -> None:
+    def release(self) -> None:
         if not torch.compiler.is_compiling() and self.eager_gathered is not None:
             # A gathered input kept past the call must not hand out outputs of weights that have since changed.
             delattr(self.eager_gathered, _SIBLING_OUTPUTS)
             self.eager_gathered = None
+
+    def wrap_forward(self, forward):
+        """The parent's forward (``forward``, bound), preceded by the shared gather and followed by release."""
+        def gathered_forward(parent: nn.Module, *args, **kwargs):
+            args, kwargs = self.gather_and_multiply(parent, args, kwargs)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.release()
+
+        return gathered_forward
 
     def _outputs_for(self, x) -> Optional[dict]:
         outputs = getattr(x, _SIBLING_OUTPUTS, None)
