@@ -141,6 +141,45 @@ def test_native_block_compiles_to_fused_ops_with_equal_results():
         assert report.count("fastmesh.matmul_reduce_scatter", "backward") == 2 + checkpointed, (case, str(report))
 
 
+@on_ranks(2, timeout=600)
+def test_whole_native_llama_compiles_to_fused_ops_except_the_embedding():
+    # The whole model: two blocks, the vocab-parallel head and loss. Every block collective and the head's
+    # gather fuse; the embedding's reduce-scatter (of a lookup, not a matmul) and its backward gather (into an
+    # index_put) are left, and the report says why.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from fastmesh.testing.llama import Llama, parallelize_llama
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    args = LlamaArgs()
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(model, compiled):
+        with loss_parallel():
+            logits = (torch.compile(model) if compiled else model)(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+            loss.backward()
+        return loss.full_tensor(), {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+
+    torch.manual_seed(0)
+    want = step(parallelize_llama(Llama(args), mesh, "native"), compiled=False)
+    torch.manual_seed(0)
+    model = parallelize_llama(Llama(args), mesh, "native")
+    with _fusion():
+        got = step(model, compiled=True)
+        report = fastmesh.compile.fusion_report()
+    torch.testing.assert_close(got[0], want[0], **TOLERANCE)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], **TOLERANCE, msg=name)
+    # Forward: 2 gathers and 2 reduce-scatters per block, the head's gather; backward the same, mirrored.
+    assert report.count("fastmesh.all_gather_matmul") == 5 + 4, str(report)
+    assert report.count("fastmesh.matmul_reduce_scatter") == 4 + 5, str(report)
+    left = sorted((e.graph_kind, e.collective) for e in report.unfused)
+    assert left == [("backward", "all_gather"), ("forward", "reduce_scatter")], str(report)
+    assert all("matmul" in e.detail for e in report.unfused), str(report)
+
+
 # ---- each pattern alone ----
 
 def _world():
