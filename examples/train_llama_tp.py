@@ -5,7 +5,9 @@ TP plan and/or fastmesh's fused one, and report the loss, the throughput and the
 
 Options: ``--plan native|fastmesh|both`` (default both: one after the other in the same processes, from the same
 initial weights on the same batches, then a comparison table), ``--steps N`` (default 200), ``--fp8
-rowwise|tensorwise`` (fastmesh's plan in FP8), model and batch sizes (``--help``). Two ranks, one intra-op
+rowwise|tensorwise`` (fastmesh's plan in FP8), ``--compile`` (both plans under ``torch.compile``) with
+``--fusion-pass`` (the native plan compiled with fastmesh's fusion pass, ``fastmesh.compile``), model and batch
+sizes (``--help``). Two ranks, one intra-op
 thread each (``--threads``), gloo; ``--plan both`` with the defaults took 86 s on the 2-core dev machine.
 
 The data is learnable and synthetic: sequences from a fixed random Markov chain over the vocabulary, in which
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 import fastmesh
+import fastmesh.compile
 from fastmesh.fp8 import Float8Config
 from fastmesh.testing.comm_profile import STEP_EVENT, cpu_profile, step_comm_times
 from fastmesh.testing.llama import Llama, LlamaArgs, parallelize_llama
@@ -96,6 +99,10 @@ def train(plan: str, args, mesh, batches) -> dict:
     fp8 = Float8Config(granularity=args.fp8) if args.fp8 and plan == "fastmesh" else None
     model = parallelize_llama(Llama(model_args(args)), mesh, plan, fp8=fp8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.compile:
+        fusion = args.fusion_pass and plan == "native"
+        options = {"post_grad_custom_post_pass": fastmesh.compile.FusionPass(strict=False)} if fusion else None
+        model = torch.compile(model, options=options)
     leader = dist.get_rank() == 0
     losses = {}
 
@@ -175,6 +182,9 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--fp8", choices=("rowwise", "tensorwise"), default=None,
                         help="run fastmesh's plan in FP8 with this scaling granularity")
+    parser.add_argument("--compile", action="store_true", help="run both plans under torch.compile (inductor)")
+    parser.add_argument("--fusion-pass", action="store_true",
+                        help="with --compile: compile the native plan with fastmesh's fusion pass")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--dim", type=int, default=256)
@@ -193,6 +203,8 @@ def parse_args():
     args = parser.parse_args()
     if args.fp8 and args.plan == "native":
         parser.error("--fp8 applies to fastmesh's plan; use --plan fastmesh or both")
+    if args.fusion_pass and not args.compile:
+        parser.error("--fusion-pass is a compiler pass: add --compile")
     if args.steps <= args.warmup + args.profile_steps:
         parser.error(f"--steps must exceed --warmup + --profile-steps ({args.warmup + args.profile_steps}), "
                      "leaving steps to time")
@@ -210,8 +222,9 @@ def main():
                                  args.seq_len + 1, torch.Generator().manual_seed(args.seed + 1))
     batches = sequences.view(args.steps, args.batch, args.seq_len + 1)
     if dist.get_rank() == 0:
+        compiled = "native plan with fastmesh's fusion pass" if args.fusion_pass else "yes" if args.compile else "no"
         print(f"TP=2 over {dist.get_backend()}, {args.threads} intra-op thread(s) per rank; model {model_args(args)}; "
-              f"batch {args.batch} x {args.seq_len} tokens; fp8: {args.fp8 or 'off'}\n"
+              f"batch {args.batch} x {args.seq_len} tokens; fp8: {args.fp8 or 'off'}; compiled: {compiled}\n"
               f"data: Markov chain, {args.branching} successors per token; entropy rate (lowest possible loss) "
               f"{entropy_rate(transitions):.4f}, log(vocab) {math.log(args.vocab):.4f}", flush=True)
     results = {}
