@@ -228,17 +228,19 @@ class FusionPass(CustomGraphPass):
         self.strict = strict
         self.previous = previous
 
+    def _previous_passes(self) -> tuple:
+        # torch >= 2.12 also takes a list of post passes.
+        previous = self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,)
+        return tuple(p for p in previous if p is not None)
+
     def __call__(self, graph: Graph) -> None:
         fuse_graph(graph, self.strict)
-        for previous in self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,):
-            if previous is not None:
-                previous(graph)
+        for previous in self._previous_passes():
+            previous(graph)
 
     def uuid(self) -> Optional[bytes]:
         digest = hashlib.sha256(get_hash_for_files(_SOURCES, extra=f"strict={self.strict}"))
-        for previous in self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,):
-            if previous is None:
-                continue
+        for previous in self._previous_passes():
             uuid = previous.uuid() if hasattr(previous, "uuid") else None
             if uuid is None:  # inductor cannot cache graphs compiled with an uncacheable pass
                 return None
