@@ -1,41 +1,100 @@
-"""Timing helpers shared by the microbenchmarks: interleaved runs, medians with spread."""
+"""Timing shared by the benchmark families: interleaved rounds, CUDA events, the slowest rank, spreads."""
+
+from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
+
+import torch
 
 
-def time_interleaved(candidates, repeats, sync, sync_after=None):
+class WallClock:
+    """Host clock; ``sync()`` (e.g. ``torch.cuda.synchronize``) runs before a call starts and before its clock stops."""
+
+    def __init__(self, sync: Callable[[], None] = lambda: None):
+        self.sync = sync
+
+    def start(self):
+        self.sync()
+        return time.perf_counter()
+
+    def stop(self, started) -> Callable[[], float]:
+        self.sync()
+        elapsed = time.perf_counter() - started
+        return lambda: elapsed
+
+
+class CudaEventClock:
+    """CUDA events around each call on the current stream: device time, without host launch gaps between calls.
+    The events are read after the round, so no synchronization sits between the contenders of a round."""
+
+    def start(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started) -> Callable[[], float]:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+
+        def seconds():
+            end.synchronize()
+            return started.elapsed_time(end) / 1e3
+
+        return seconds
+
+
+def clock_for(device: torch.device):
+    return CudaEventClock() if device.type == "cuda" else WallClock()
+
+
+def time_interleaved(candidates: dict[str, Callable], repeats: int, clock=None,
+                     before_each: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
     """Seconds per call of each candidate, run round-robin so that drifts hit every candidate alike.
 
-    ``sync()`` runs before each call starts and ``sync_after()`` (default: ``sync``) before its clock stops.
+    ``before_each()`` runs before each call, outside its timing (a barrier for ranks).
     """
-    sync_after = sync if sync_after is None else sync_after
+    clock = clock or WallClock()
     timings = {name: [] for name in candidates}
     for _ in range(repeats):
+        pending = []
         for name, fn in candidates.items():
-            sync()
-            start = time.perf_counter()
+            before_each()
+            started = clock.start()
             fn()
-            sync_after()
-            timings[name].append(time.perf_counter() - start)
+            pending.append((name, clock.stop(started)))
+        for name, seconds in pending:
+            timings[name].append(seconds())
     return timings
 
 
-def median_iqr(samples):
-    """(median, interquartile range) of a list of timings."""
-    quartiles = statistics.quantiles(samples, n=4)
-    return statistics.median(samples), quartiles[2] - quartiles[0]
+def time_slowest_rank(candidates: dict[str, Callable], group, warmup: int, repeats: int,
+                      clock=None) -> dict[str, list[float]]:
+    """Interleaved timings on every rank of ``group`` after ``warmup`` untimed rounds: {name: [seconds of the
+    slowest rank, per round]}.
 
-
-def time_interleaved_ranks(candidates, repeats, barrier, slowest):
-    """Seconds per call of each candidate on a group of ranks, run round-robin like time_interleaved.
-
-    Every call starts together on all ranks (``barrier()``) and counts as long as its slowest rank:
-    ``slowest(samples)`` maps this rank's list of seconds to the element-wise max over ranks (e.g. one
-    all-reduce MAX), called once per candidate after all repetitions so that no extra collective runs
-    between timed calls. For CUDA work, make each candidate synchronize its stream before returning.
+    Every call starts together on all ranks (a barrier) and counts as long as its slowest rank: the per-rank
+    lists are all-reduced with MAX once per candidate after all rounds, so that no extra collective runs between
+    timed calls. With a wall clock on CUDA, make each candidate synchronize its stream before returning.
     """
-    if repeats <= 0:
-        return {name: [] for name in candidates}
-    timings = time_interleaved(candidates, repeats, barrier, sync_after=lambda: None)
-    return {name: slowest(samples) for name, samples in timings.items()}
+    import torch.distributed as dist
+
+    barrier = lambda: dist.barrier(group=group)  # noqa: E731
+    time_interleaved(candidates, warmup, clock, barrier)
+    timings = time_interleaved(candidates, repeats, clock, barrier)
+    slowest = {}
+    for name, samples in timings.items():
+        t = torch.tensor(samples, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        slowest[name] = t.tolist()
+    return slowest
+
+
+def spread(samples: list[float]) -> dict[str, float]:
+    """Median, quartiles and extremes of a list of samples."""
+    if len(samples) < 2:
+        raise ValueError(f"a spread needs at least 2 samples, got {len(samples)}")
+    # "inclusive": quartiles within the samples (the default extrapolates beyond them for few samples)
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return {"median": statistics.median(samples), "q1": q1, "q3": q3, "min": min(samples), "max": max(samples)}

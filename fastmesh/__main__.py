@@ -1,14 +1,21 @@
-"""The ``fastmesh`` command line: ``fastmesh info`` (also ``python -m fastmesh info``)."""
+"""The ``fastmesh`` command line (also ``python -m fastmesh``): ``fastmesh info``, ``fastmesh bench``."""
 
 import argparse
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The runner owns its options (``fastmesh bench --help``).
+        from fastmesh.bench import runner
+
+        return runner.main(argv[1:])
     parser = argparse.ArgumentParser(prog="fastmesh", description="fastmesh command line")
     commands = parser.add_subparsers(dest="command", required=True)
     info_parser = commands.add_parser("info", help="what was built and whether this install is usable")
     info_parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    commands.add_parser("bench", help="the kernel benchmarks beside their baselines and bounds (fastmesh bench --help)")
     args = parser.parse_args(argv)
 
     if args.command == "info":

@@ -1,0 +1,82 @@
+"""What a benchmark family is and what it is given to run: the contract between the runner and the families."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from fastmesh.bench.figures import Case
+
+DTYPES = ("float32", "bfloat16", "float8")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family of benchmark cases.
+
+    ``run(ctx)`` measures its cases and hands each to ``ctx.emit``; ``parse_case(spec, world)`` validates one
+    ``--case NAME=SPEC`` (raising ValueError that says the expected form) before any rank starts;
+    ``dtypes``: the ``--dtype`` values it measures (others are ignored for it).
+    """
+
+    name: str
+    description: str
+    distributed: bool
+    dtypes: tuple[str, ...]
+    run: Callable[["Context"], None]
+    parse_case: Callable[[str, int], object]
+
+
+@dataclass
+class Context:
+    """Everything a family's ``run`` needs; ``group`` and ``mesh`` are set for distributed families."""
+
+    family: str
+    device: torch.device
+    quick: bool
+    repeats: int
+    warmup: int
+    dtypes: tuple[str, ...]
+    cases: list[str]  # --case specs for this family; empty: the family's defaults
+    clock: object
+    leader: bool = True  # prints progress and keeps the rows
+    group: object = None
+    mesh: object = None
+    rows: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    _total: int = 0
+    _started: float = field(default_factory=time.perf_counter)
+
+    def expect(self, total: int) -> None:
+        """Announce how many cases the family will emit (for the progress line)."""
+        self._total = total
+
+    def emit(self, case: Case) -> None:
+        row = case.row()
+        self.rows.append(row)
+        if self.leader:
+            print(f"  [{self.family} {len(self.rows)}/{self._total or '?'}, {time.perf_counter() - self._started:.0f} s] "
+                  f"{progress_line(row)}", flush=True)
+
+
+    def note(self, message: str) -> None:
+        """Something the reader must know about the family's run (a case skipped, a baseline not run), printed and
+        kept in the JSON (once)."""
+        if message in self.notes:
+            return
+        self.notes.append(message)
+        if self.leader:
+            print(f"  [{self.family}] note: {message}", flush=True)
+
+
+def progress_line(row: dict) -> str:
+    kernel = row["kernel"]
+    figure = row["figures"][kernel]
+    parts = [f"{row['case']} {row['dtype']}: {kernel} {figure['ms']['median']:.3g} ms"]
+    if "rate" in figure:
+        parts.append(f"{figure['rate']['value']:.3g} {figure['rate']['unit']}")
+    parts += [f"{name} {r['median']:.2f}" for name, r in row["ratios"].items()]
+    return ", ".join(parts)

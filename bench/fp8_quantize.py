@@ -1,0 +1,180 @@
+"""FP8 cast-and-scale and amax, one process: fastmesh against eager PyTorch, torch.compile, torchao and memory bounds.
+
+``fp8_quantize``, per input size, dtype and granularity (plus the given-scale path):
+
+* ``fastmesh``: ``fastmesh.fp8.quantize`` (the kernel);
+* ``eager``: the same math in ordinary torch ops, its result written into a preallocated FP8 tensor;
+* ``compile``: that function under ``torch.compile`` (inductor's fused C++ on CPU, Triton on GPU);
+* ``torchao``: torchao's dynamic float8 cast (tensor-wise and row-wise, when torchao is installed);
+* ``copy``: ``y.copy_(x)`` into a preallocated tensor of x's dtype: the memory bound, measured in the same run.
+
+GB/s counts logical bytes: the input read once and the FP8 data written once (the copy: read and written once).
+Every result is checked against ``fastmesh.kernels.fp8_reference`` (fastmesh: bit-exact) or against fastmesh's
+(the baselines) before timing.
+
+``amax``: ``fastmesh.amax`` against ``x.abs().amax()`` eager and compiled; its bound is the read bandwidth,
+measured as ``sum()`` of a float32 tensor of the same byte size (for 16-bit inputs their own ``sum`` is
+compute-bound on CPU, so it would be no bound).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fastmesh
+from fastmesh.bench import torchao_baselines
+from fastmesh.bench.family import Context, Family
+from fastmesh.bench.figures import Case, Contender
+from fastmesh.bench.timing import time_interleaved
+from fastmesh.kernels import fp8_reference as ref
+
+E4M3 = torch.float8_e4m3fn
+# [rows, cols]; both multiples of 128 (the block granularities). Sizes span cache-resident to memory-bound.
+QUICK_SIZES = ["4096x4096"]
+FULL_SIZES = ["1024x1024", "2048x4096", "4096x8192"]
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_size(spec: str, world: int = 1) -> tuple[int, int]:
+    try:
+        rows, cols = (int(s) for s in spec.split("x"))
+    except ValueError:
+        raise ValueError(f'size {spec!r}: expected "ROWSxCOLS", e.g. "4096x8192"') from None
+    if rows <= 0 or cols <= 0 or rows % 128 or cols % 128:
+        raise ValueError(f"size {spec!r}: rows and cols must be positive multiples of 128 (the block granularities)")
+    return rows, cols
+
+
+def eager_quantize(x, granularity, out, scale=None):
+    """Plain-PyTorch quantize of a [M, K] x (dims divisible by 128) into the preallocated ``out``."""
+    m, k = x.shape
+    if scale is not None:
+        q = scale.reciprocal()
+    else:
+        a = x.abs()
+        if granularity == "tensorwise":
+            amax = a.amax().float()
+        elif granularity == "rowwise":
+            amax = a.amax(dim=-1, keepdim=True).float()
+        elif granularity == "block1x128":
+            amax = a.view(m, k // 128, 128).amax(dim=-1).float()
+        else:
+            amax = a.view(m // 128, 128, k // 128, 128).amax(dim=(1, 3)).float()
+        q = torch.where(amax == 0, 1.0, torch.full_like(amax, 448.0) / amax)
+    if granularity == "block1x128":
+        q = q.repeat_interleave(128, dim=-1)
+    elif granularity == "block128x128":
+        q = q.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    out.copy_((x.float() * q).clamp(-448.0, 448.0))
+    return out
+
+
+def _random_input(rows, cols, dtype, device):
+    # Normal values, never zeros: a skipped block would be caught by the checks.
+    generator = torch.Generator().manual_seed(rows * 31 + cols)
+    return (torch.randn(rows, cols, generator=generator) * 4).to(device=device, dtype=dtype)
+
+
+def _fresh_compiles():
+    """Forget earlier compiled graphs: each size and dtype compiles its granularities afresh, which keeps them under
+    dynamo's recompile limit. Hitting it would fall back to eager and be timed as compiled; it fails instead."""
+    torch._dynamo.reset()
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def _check_fastmesh(x, granularity, scale):
+    got = fastmesh.fp8.quantize(x, dtype=E4M3, granularity=granularity, scale=scale)
+    want = ref.quantize(x.cpu(), E4M3, granularity, scale=None if scale is None else scale.cpu())
+    if not bool(ref.fp8_bits_equal(got.data.cpu(), want.data).all()) or not torch.equal(got.scale.cpu(), want.scale):
+        raise AssertionError(f"fastmesh.fp8.quantize disagrees with fp8_reference for {granularity}, {x.dtype}")
+    return got
+
+
+def _check_baseline(name, data, want_data):
+    # Baselines compute the scale in their own order (e.g. 448 / amax vs its reciprocal): allow one FP8 step.
+    diff = (data.float() - want_data.float()).abs()
+    tolerance = want_data.float().abs() * 0.125 + 2**-9
+    if not bool((diff <= tolerance).all()):
+        raise AssertionError(f"{name} disagrees with fastmesh by more than one FP8 step "
+                             f"({int((diff > tolerance).sum())} elements)")
+
+
+def run_quantize(ctx: Context) -> None:
+    sizes = [parse_size(s) for s in ctx.cases] or [parse_size(s) for s in (QUICK_SIZES if ctx.quick else FULL_SIZES)]
+    dtypes = [d for d in ctx.dtypes if d in TORCH_DTYPES]
+    granularities = [(g, None) for g in ref.GRANULARITIES] + [("tensorwise", "given")]
+    ctx.expect(len(sizes) * len(dtypes) * len(granularities))
+    compiled = torch.compile(eager_quantize, dynamic=False)
+    ao_ok, ao_status = torchao_baselines.status()
+    if not ao_ok:
+        ctx.note(f"torchao baseline not run: {ao_status}")
+    for rows, cols in sizes:
+        for dtype_name in dtypes:
+            _fresh_compiles()
+            x = _random_input(rows, cols, TORCH_DTYPES[dtype_name], ctx.device)
+            copy_out, fp8_out = torch.empty_like(x), torch.empty(x.shape, dtype=E4M3, device=ctx.device)
+            in_bytes = x.numel() * x.element_size()
+            moved = in_bytes + x.numel()  # read x, write the FP8 data
+            for granularity, mode in granularities:
+                scale = torch.full((), 4.0 / 448.0, device=ctx.device) if mode == "given" else None
+                want = _check_fastmesh(x, granularity, scale)
+                candidates = {
+                    "fastmesh": lambda: fastmesh.fp8.quantize(x, dtype=E4M3, granularity=granularity, scale=scale),
+                    "eager": lambda: eager_quantize(x, granularity, fp8_out, scale),
+                    "compile": lambda: compiled(x, granularity, fp8_out, scale),
+                }
+                if ao_ok and mode is None and granularity in torchao_baselines.GRANULARITIES:
+                    candidates["torchao"] = lambda: torchao_baselines.quantize(x, granularity)
+                candidates["copy"] = lambda: copy_out.copy_(x)
+                for name in ("eager", "compile"):
+                    _check_baseline(name, candidates[name](), want.data)
+                if "torchao" in candidates:
+                    _check_baseline("torchao", candidates["torchao"]()[0], want.data)
+                time_interleaved(candidates, ctx.warmup, ctx.clock)
+                timings = time_interleaved(candidates, ctx.repeats, ctx.clock)
+                kinds = {"fastmesh": "kernel", "copy": "bound"}
+                contenders = {name: Contender(kinds.get(name, "baseline"), seconds,
+                                              2 * in_bytes if name == "copy" else moved, "bytes")
+                              for name, seconds in timings.items()}
+                label = f"{granularity}{' given scale' if mode else ''} [{rows}, {cols}]"
+                ctx.emit(Case("fp8_quantize", label, dtype_name, "fastmesh", contenders,
+                              params={"rows": rows, "cols": cols, "granularity": granularity,
+                                      "scale": mode or "current"}))
+
+
+def run_amax(ctx: Context) -> None:
+    sizes = [parse_size(s) for s in ctx.cases] or [parse_size(s) for s in (QUICK_SIZES if ctx.quick else FULL_SIZES)]
+    dtypes = [d for d in ctx.dtypes if d in TORCH_DTYPES]
+    ctx.expect(len(sizes) * len(dtypes))
+    compiled = torch.compile(lambda t: t.abs().amax().float(), dynamic=False)
+    for rows, cols in sizes:
+        for dtype_name in dtypes:
+            _fresh_compiles()
+            x = _random_input(rows, cols, TORCH_DTYPES[dtype_name], ctx.device)
+            nbytes = x.numel() * x.element_size()
+            read_probe = torch.randn(nbytes // 4, device=ctx.device)
+            candidates = {
+                "fastmesh": lambda: fastmesh.amax(x),
+                "eager": lambda: x.abs().amax().float(),
+                "compile": lambda: compiled(x),
+                "read": lambda: read_probe.sum(),
+            }
+            expected = candidates["eager"]()
+            for name in ("fastmesh", "compile"):
+                if not torch.equal(candidates[name](), expected):
+                    raise AssertionError(f"amax: {name} disagrees with eager for [{rows}, {cols}] {dtype_name}")
+            time_interleaved(candidates, ctx.warmup, ctx.clock)
+            timings = time_interleaved(candidates, ctx.repeats, ctx.clock)
+            kinds = {"fastmesh": "kernel", "read": "bound"}
+            contenders = {name: Contender(kinds.get(name, "baseline"), seconds, nbytes, "bytes")
+                          for name, seconds in timings.items()}
+            ctx.emit(Case("amax", f"tensorwise [{rows}, {cols}]", dtype_name, "fastmesh", contenders,
+                          params={"rows": rows, "cols": cols}))
+
+
+FAMILIES = (
+    Family("fp8_quantize", "FP8 cast-and-scale per granularity: GB/s against eager, torch.compile, torchao and "
+           "copy bandwidth", distributed=False, dtypes=tuple(TORCH_DTYPES), run=run_quantize, parse_case=parse_size),
+    Family("amax", "tensor-wise amax: GB/s against eager, torch.compile and read bandwidth", distributed=False,
+           dtypes=tuple(TORCH_DTYPES), run=run_amax, parse_case=parse_size),
+)

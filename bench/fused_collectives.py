@@ -1,0 +1,413 @@
+"""Fused collectives on a group of ranks: fastmesh's ops against the unfused collective sequence and their bounds.
+
+For each op, dtype and shape, the contenders run round-robin (interleaved rounds, after warm-up):
+
+* ``fastmesh``: ``fastmesh.all_gather_matmul`` / ``fastmesh.matmul_reduce_scatter``; for ``float8``
+  ``torch.ops.fastmesh.all_gather_scaled_matmul`` / ``scaled_matmul_reduce_scatter`` on FP8 data with
+  tensor-wise or row-wise scales, bf16 out;
+* ``unfused`` (baseline): the c10d all-gather then ``matmul`` per b / ``matmul`` then the c10d reduce-scatter
+  (FP8: the FP8 bytes and their row-wise scales gathered, then ``torch._scaled_mm``), into preallocated
+  outputs, plus the block-reordering copy c10d needs when the gathered / scattered dim is not 0;
+* ``symm_mem`` (baseline, on two or more CUDA GPUs): PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul``
+  / ``fused_matmul_reduce_scatter`` with symmetric memory enabled for the group;
+* ``comm`` and ``matmul`` (parts): the collective alone and the multiplies alone, same sizes;
+* ``bound``: ``max(comm, matmul)`` per round, perfect overlap.
+
+On CPU (gloo) also ``p2p`` (part): the same bytes moved as fastmesh moves them on gloo (send/recv with every
+peer), and ``cpu_bound = matmul + (CPU share of p2p) x p2p``: on CPU the transfer is work for the same cores
+(gloo copies through loopback TCP on its own thread), so this is what a rank's core must do however well it
+overlaps. Targets (issue 4): fastmesh/bound <= 1.10, and speedup_vs_unfused >= 1.15 where comm/matmul >= 0.25.
+
+Every call starts with a barrier and counts as long as its slowest rank. Every fastmesh result is checked
+against the unfused one (random inputs) before timing.
+
+Cases: ``--case fused_collectives=ag:2048x4096:0:384`` = op (``ag`` all_gather_matmul, ``rs``
+matmul_reduce_scatter), this rank's ``a_shard`` (ag) or ``a`` (rs) shape, the gathered / scattered dim, the
+columns of each b (several for ag: ``256,256,256``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import fastmesh
+from fastmesh.bench.family import Context, Family
+from fastmesh.bench.figures import Case, Contender
+from fastmesh.bench.timing import time_slowest_rank
+
+E4M3 = torch.float8_e4m3fn
+_OP_CODES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}  # float8: out dtype
+FP8_GRANULARITIES = ("rowwise", "tensorwise")
+# assert_close (rtol, atol) for unit-scale outputs. fp32: a different blocking of the same dot products. bf16 (and
+# FP8's bf16 output): the rounding of the output (2^-8 relative).
+_TOLERANCES = {"float32": (1e-5, 1e-5), "bfloat16": (1.6e-2, 1e-2), "float8": (1.6e-2, 1e-2)}
+
+# Sizes for 1 thread per rank, gloo over loopback TCP, 2 ranks, on the 2-core dev machine: fp32 matmul ~160
+# GFLOP/s per core (AVX-512), bf16 ~83 (no AMX), FP8 _scaled_mm ~35 (CPU dequantizes); gloo ~0.45-0.7 GB/s
+# received per rank. comm/matmul ~ (W-1)/W * bytes/elem * flop rate / (2 * N (ag) or K (rs) * bandwidth):
+# so each dtype has its own widths, spanning comm/matmul ~0.25-1 with calls of ~40-200 ms.
+FULL_CASES = {
+    "float32": ["ag:2048x4096:0:384", "ag:2048x4096:0:768", "ag:1024x4096:0:896", "ag:1024x4096:0:256,256,256",
+                "ag:4x512x4096:1:512", "ag:4096x2048:-1:512", "rs:4096x384:0:4096", "rs:4096x1024:0:2048",
+                "rs:4x1024x768:1:3072"],
+    "bfloat16": ["ag:2048x4096:0:48", "ag:2048x4096:0:96", "ag:2048x4096:0:192", "ag:2048x4096:0:64,64,64",
+                 "ag:4x512x4096:1:128", "ag:4096x2048:-1:128", "rs:4096x128:0:4096", "rs:4096x256:0:4096",
+                 "rs:4x1024x192:1:4096"],
+    "float8": ["ag:2048x4096:0:16", "ag:2048x4096:0:32", "ag:4x512x4096:1:32", "rs:4096x64:0:4096",
+               "rs:4x1024x64:1:4096"],
+}
+QUICK_CASES = {
+    "float32": ["ag:1024x2048:0:512", "ag:2x256x2048:1:128,128,128", "rs:2048x512:0:2048"],
+    "bfloat16": ["ag:1024x2048:0:128", "rs:2048x128:0:2048"],
+    "float8": ["ag:1024x2048:0:32", "rs:2048x64:0:2048"],
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    op: str
+    shape: tuple  # this rank's a_shard (all_gather_matmul) or a (matmul_reduce_scatter)
+    dim: int  # gather_dim / scatter_dim, as given (may be negative)
+    ns: tuple  # columns of each b
+
+    def label(self):
+        repeated = len(self.ns) > 1 and len(set(self.ns)) == 1
+        ns = f"{len(self.ns)}x{self.ns[0]}" if repeated else ",".join(map(str, self.ns))
+        return f"{self.op} [{', '.join(map(str, self.shape))}] d{self.dim} N={ns}"
+
+
+def parse_spec(spec: str, world: int = 2) -> Spec:
+    try:
+        code, shape, dim, ns = spec.split(":")
+        parsed = Spec(_OP_CODES[code], tuple(int(s) for s in shape.split("x")), int(dim),
+                      tuple(int(n) for n in ns.split(",")))
+    except (KeyError, ValueError):
+        raise ValueError(f'fused_collectives case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..]", '
+                         'e.g. "ag:2048x4096:0:384"') from None
+    ndim = len(parsed.shape)
+    if ndim < 2 or not -ndim <= parsed.dim < ndim or min(parsed.shape + parsed.ns) <= 0:
+        raise ValueError(f"fused_collectives case {spec!r}: the shape needs >= 2 positive dims and dim in "
+                         f"[{-ndim}, {ndim})")
+    if parsed.op == "matmul_reduce_scatter":
+        if len(parsed.ns) != 1:
+            raise ValueError(f"fused_collectives case {spec!r}: matmul_reduce_scatter takes one b")
+        out_shape = parsed.shape[:-1] + parsed.ns
+        if out_shape[parsed.dim] % world:
+            raise ValueError(f"fused_collectives case {spec!r}: the scattered dim ({out_shape[parsed.dim]}) must be "
+                             f"divisible by the {world} ranks")
+    return parsed
+
+
+def _collectives():
+    """(all_gather, reduce_scatter) c10d calls into preallocated buffers: torch 2.14 renames *_into_tensor /
+    *_tensor to *_single (the old names warn); torch 2.11 has only the old names."""
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return all_gather, reduce_scatter
+
+
+def _random(shape, dtype, seed, device, scale=1.0):
+    # Normal values: never zero, so a dropped or misplaced block cannot pass the check.
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(device=device, dtype=dtype)
+
+
+def exchange(group, sends, receives):
+    """sends[j] to rank j and receives[j] from rank j, for every other rank j (fastmesh's gloo transport)."""
+    world, rank = group.size(), group.rank()
+    works = []
+    for step in range(1, world):
+        to, source = (rank + step) % world, (rank - step) % world
+        works.append(dist.isend(sends[to], dist.get_global_rank(group, to), group=group))
+        works.append(dist.irecv(receives[source], dist.get_global_rank(group, source), group=group))
+    for work in works:
+        work.wait()
+
+
+def cpu_share(fn, group, repeats=3):
+    """CPU time over wall time of ``fn`` on the busiest rank (all of this process's threads)."""
+    dist.barrier(group=group)
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        fn()
+    share = torch.tensor([(time.process_time() - cpu) / (time.perf_counter() - wall)])
+    dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)
+    return share.item()
+
+
+def _fp8_rows(x, granularity):
+    """x quantized per row (or tensor-wise), as _scaled_mm's first operand takes it."""
+    q = fastmesh.fp8.quantize(x, dtype=E4M3, granularity=granularity)
+    return q.data, q.scale
+
+
+def _fp8_columns(b, granularity):
+    """b [K, N] quantized per column (or tensor-wise): column-major data, a [1, N] (or 0-d) scale."""
+    data, scale = _fp8_rows(b.t().contiguous(), granularity)
+    return data.t(), scale.t()
+
+
+def _scaled_mm(a2d, a_scale, b, b_scale, out):
+    if a_scale.dim() == 0 and b_scale.dim() != 0:
+        a_scale = a_scale.expand(a2d.shape[0], 1).contiguous()
+    return torch._scaled_mm(a2d, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out.dtype, out=out)
+
+
+class _Gather:
+    """all_gather_matmul contenders of one case."""
+
+    def __init__(self, spec, dtype_name, granularity, group, device):
+        world, rank = group.size(), group.rank()
+        self.spec, self.group, self.world, self.rank = spec, group, world, rank
+        self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
+        self.all_gather, _ = _collectives()
+        dtype = TORCH_DTYPES[dtype_name]
+        self.dim = spec.dim % len(spec.shape)
+        k = spec.shape[-1] * (world if self.dim == len(spec.shape) - 1 else 1)
+        a_shard = _random(spec.shape, dtype, 1000 + rank, device)
+        # The weights are replicated: the same seed on every rank; scaled for unit-scale outputs.
+        bs = [_random((k, n), dtype, 7 + i, device, k ** -0.5) for i, n in enumerate(spec.ns)]
+        self.full_shape = list(spec.shape)
+        self.full_shape[self.dim] *= world
+        self.outs = [torch.empty((*self.full_shape[:-1], n), dtype=dtype, device=device) for n in spec.ns]
+        self.fp8 = granularity is not None
+        if self.fp8:
+            if self.dim == len(spec.shape) - 1:
+                raise ValueError(f"{self.label}: the FP8 form gathers rows only (gather_dim < last)")
+            data, scale = _fp8_rows(a_shard, granularity)
+            if granularity == "tensorwise":
+                # One scale for the whole gathered tensor, as torchao's TP makes it (an all-reduced amax).
+                dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
+                data = fastmesh.fp8.quantize(a_shard, dtype=E4M3, granularity="tensorwise", scale=scale).data
+            self.a_data, self.a_scale = data, scale
+            self.b_ops = [_fp8_columns(b, granularity) for b in bs]
+            self.shard = data.view(torch.uint8)  # gloo cannot gather FP8 dtypes: their bytes travel
+            rowwise = granularity == "rowwise"
+            self.scale_gathered = torch.empty((world * scale.shape[0], *scale.shape[1:]), device=device) if rowwise else None
+            self.scale_full = torch.empty((*self.full_shape[:-1], 1), device=device) if rowwise and self.dim else None
+        else:
+            self.bs, self.shard, self.scale_gathered = bs, a_shard, None
+        self.gathered = torch.empty((world * spec.shape[0], *spec.shape[1:]), dtype=self.shard.dtype, device=device)
+        self.a_full = None if self.dim == 0 else torch.empty(self.full_shape, dtype=self.shard.dtype, device=device)
+        self.local_full = _random(self.full_shape, dtype, 2000 + rank, device)
+        if self.fp8:
+            self.local_full = _fp8_rows(self.local_full, granularity)
+        self.received = list(torch.empty_like(self.gathered).chunk(world))
+        self.flops = 2 * sum(self.outs[0].numel() // self.outs[0].shape[-1] * k * n for n in spec.ns)
+        self.comm_bytes = self.gathered.numel() * self.gathered.element_size()
+
+    def fastmesh(self):
+        if self.fp8:
+            return torch.ops.fastmesh.all_gather_scaled_matmul(
+                self.a_data, self.a_scale, [d for d, _ in self.b_ops], [s for _, s in self.b_ops], self.spec.dim,
+                self.group.group_name, torch.bfloat16, False, 0)[2]
+        return fastmesh.all_gather_matmul(self.shard, self.bs, self.spec.dim, group=self.group)[1]
+
+    def comm(self):
+        self.all_gather(self.gathered, self.shard, group=self.group)
+        if self.scale_gathered is not None:
+            self.all_gather(self.scale_gathered, self.a_scale, group=self.group)
+
+    def _reorder(self, gathered, full):
+        """c10d gathers rank-major along dim 0: the rank blocks moved to dim (into ``full``)."""
+        if self.dim == 0:
+            return gathered
+        full.unflatten(self.dim, (self.world, -1)).copy_(gathered.unflatten(0, (self.world, -1)).movedim(0, self.dim))
+        return full
+
+    def unfused(self):
+        self.comm()
+        a_full = self._reorder(self.gathered, self.a_full)
+        if not self.fp8:
+            for b, out in zip(self.bs, self.outs):
+                torch.matmul(a_full, b, out=out)
+            return self.outs
+        scale = self.a_scale if self.scale_gathered is None else self._reorder(self.scale_gathered, self.scale_full)
+        return self._scaled_matmuls(a_full.view(E4M3), scale)
+
+    def _scaled_matmuls(self, a_full, scale):
+        rows = a_full.reshape(-1, a_full.shape[-1])
+        scale = scale if scale.dim() == 0 else scale.reshape(-1, 1)
+        for (b, b_scale), out in zip(self.b_ops, self.outs):
+            _scaled_mm(rows, scale, b, b_scale, out.view(-1, out.shape[-1]))
+        return self.outs
+
+    def matmul(self):
+        if self.fp8:
+            return self._scaled_matmuls(*self.local_full)
+        for b, out in zip(self.bs, self.outs):
+            torch.matmul(self.local_full, b, out=out)
+        return self.outs
+
+    def p2p(self):
+        exchange(self.group, [self.shard] * self.world, self.received)
+
+    def check(self, dtype_name):
+        got = [t.clone() for t in self.fastmesh()]
+        want = self.unfused()
+        rtol, atol = _TOLERANCES[dtype_name]
+        if self.dim == len(self.spec.shape) - 1 and dtype_name != "float32":
+            atol *= self.world  # K split over ranks: partial products rounded per rank
+        for i, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {self.rank}, {self.label}, output {i}: {m}")
+
+    def symm_mem(self):
+        return torch.ops.symm_mem.fused_all_gather_matmul(self.shard, self.bs, self.dim, self.group.group_name)
+
+
+class _Scatter:
+    """matmul_reduce_scatter contenders of one case."""
+
+    def __init__(self, spec, dtype_name, granularity, group, device):
+        world, rank = group.size(), group.rank()
+        self.spec, self.group, self.world, self.rank = spec, group, world, rank
+        self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
+        _, self.reduce_scatter = _collectives()
+        dtype = TORCH_DTYPES[dtype_name]
+        (n,) = spec.ns
+        k = spec.shape[-1]
+        a = _random(spec.shape, dtype, 1000 + rank, device)
+        # Each rank holds its own rows of the weight; scaled so that the sum over ranks is unit-scale.
+        b = _random((k, n), dtype, 3000 + rank, device, (k * world) ** -0.5)
+        self.c = torch.empty((*spec.shape[:-1], n), dtype=dtype, device=device)
+        self.dim = spec.dim % self.c.dim()
+        out_shape = list(self.c.shape)
+        out_shape[self.dim] //= world
+        self.out = torch.empty(out_shape, dtype=dtype, device=device)
+        self.send = self.c if self.dim == 0 else torch.empty((world * out_shape[0], *out_shape[1:]), dtype=dtype,
+                                                             device=device)
+        self.comm_send = _random(self.send.shape, dtype, 4000 + rank, device)
+        self.partials = list(torch.empty_like(self.comm_send).chunk(world))
+        self.fp8 = granularity is not None
+        if self.fp8:
+            self.a_ops, self.b_ops = _fp8_rows(a, granularity), _fp8_columns(b, granularity)
+        else:
+            self.a, self.b = a, b
+        self.flops = 2 * self.c.numel() * k
+        self.comm_bytes = self.send.numel() * self.send.element_size()
+
+    def fastmesh(self):
+        if self.fp8:
+            (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
+            return torch.ops.fastmesh.scaled_matmul_reduce_scatter(
+                a, a_scale, b, b_scale, self.spec.dim, "sum", self.group.group_name, torch.bfloat16, 0)
+        return fastmesh.matmul_reduce_scatter(self.a, self.b, self.spec.dim, group=self.group)
+
+    def matmul(self):
+        if self.fp8:
+            (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
+            rows = a.reshape(-1, a.shape[-1])
+            _scaled_mm(rows, a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1), b, b_scale,
+                       self.c.view(-1, self.c.shape[-1]))
+        else:
+            torch.matmul(self.a, self.b, out=self.c)
+        return self.c
+
+    def comm(self):
+        self.reduce_scatter(self.out, self.comm_send, group=self.group)
+
+    def unfused(self):
+        self.matmul()
+        if self.dim != 0:  # c10d scatters rank-major blocks of dim 0: bring dim's blocks there
+            self.send.unflatten(0, (self.world, -1)).copy_(self.c.unflatten(self.dim, (self.world, -1)).movedim(self.dim, 0))
+        self.reduce_scatter(self.out, self.send, group=self.group)
+        return self.out
+
+    def p2p(self):
+        exchange(self.group, list(self.comm_send.chunk(self.world)), self.partials)
+
+    def check(self, dtype_name):
+        got = self.fastmesh().clone()
+        want = self.unfused()
+        rtol, atol = _TOLERANCES[dtype_name]
+        if dtype_name != "float32":
+            # gloo's reduce-scatter rounds after every addition, the fused op sums in fp32 and rounds once
+            atol *= self.world
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"rank {self.rank}, {self.label}: {m}")
+
+    def symm_mem(self):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(self.a, self.b, "sum", self.dim, self.group.group_name)
+
+
+def _symm_mem_note(ctx: Context, runner) -> str | None:
+    """Why PyTorch's symm_mem fused op is not a contender here, or None when it is."""
+    if ctx.device.type != "cuda":
+        return "symm_mem baseline not run: torch's symm_mem fused ops need CUDA GPUs (they have no CPU kernel)"
+    if runner.fp8:
+        return "symm_mem baseline not run for FP8 (torch's fused scaled ops take other scale layouts)"
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(runner.group.group_name)
+        runner.symm_mem()
+    except Exception as error:  # any failure: the baseline is reported as not run, with torch's reason
+        return f"symm_mem baseline not run: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return None
+
+
+def _cases(ctx: Context):
+    for dtype_name in (d for d in ctx.dtypes if d in TORCH_DTYPES):
+        specs = ctx.cases or (QUICK_CASES if ctx.quick else FULL_CASES)[dtype_name]
+        for spec in specs:
+            for granularity in (FP8_GRANULARITIES if dtype_name == "float8" else (None,)):
+                yield parse_spec(spec, ctx.group.size()), dtype_name, granularity
+
+
+def _rowwise_scaled_mm_on_cpu() -> bool:
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return version >= (2, 13)
+
+
+def run(ctx: Context) -> None:
+    cases = list(_cases(ctx))
+    ctx.expect(len(cases))
+    gloo = ctx.device.type == "cpu"
+    for spec, dtype_name, granularity in cases:
+        if granularity == "rowwise" and gloo and not _rowwise_scaled_mm_on_cpu():
+            ctx.note(f"{spec.label()} float8 rowwise skipped: torch < 2.13 has no row-wise _scaled_mm on CPU")
+            continue
+        runner = (_Gather if spec.op == "all_gather_matmul" else _Scatter)(spec, dtype_name, granularity, ctx.group,
+                                                                          ctx.device)
+        runner.check(dtype_name)
+        candidates = {"fastmesh": runner.fastmesh, "unfused": runner.unfused}
+        symm_note = _symm_mem_note(ctx, runner)
+        if symm_note is None:
+            candidates["symm_mem"] = runner.symm_mem
+        else:
+            ctx.note(symm_note)
+        candidates.update(comm=runner.comm, matmul=runner.matmul)
+        if gloo:
+            candidates["p2p"] = runner.p2p
+        timings = time_slowest_rank(candidates, ctx.group, ctx.warmup, ctx.repeats, ctx.clock)
+        flops = (runner.flops, "flops")
+        contenders = {
+            "fastmesh": Contender("kernel", timings["fastmesh"], *flops),
+            "unfused": Contender("baseline", timings["unfused"], *flops),
+            **({"symm_mem": Contender("baseline", timings["symm_mem"], *flops)} if "symm_mem" in timings else {}),
+            "comm": Contender("part", timings["comm"], runner.comm_bytes, "bytes"),
+            "matmul": Contender("part", timings["matmul"], *flops),
+            "bound": Contender("bound", [max(c, m) for c, m in zip(timings["comm"], timings["matmul"])], *flops),
+        }
+        details = {}
+        if gloo:
+            share = cpu_share(runner.p2p, ctx.group)
+            contenders["p2p"] = Contender("part", timings["p2p"], runner.comm_bytes, "bytes")
+            contenders["cpu_bound"] = Contender("bound", [m + share * t for m, t in zip(timings["matmul"],
+                                                                                       timings["p2p"])], *flops)
+            details["p2p_cpu_share"] = share
+        label = runner.label
+        params = {"op": spec.op, "shape": list(spec.shape), "dim": spec.dim, "ns": list(spec.ns),
+                  "granularity": granularity, "world": ctx.group.size()}
+        ctx.emit(Case("fused_collectives", label, dtype_name, "fastmesh", contenders, params=params,
+                      extra_ratios={"comm_over_matmul": ("comm", "matmul")}, details=details))
+
+
+FAMILY = Family("fused_collectives", "all_gather_matmul and matmul_reduce_scatter (fp32, bf16, FP8) against the "
+                "unfused collective sequence and max(comm, matmul)", distributed=True, dtypes=tuple(TORCH_DTYPES),
+                run=run, parse_case=parse_spec)

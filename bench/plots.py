@@ -1,0 +1,70 @@
+"""One PNG per family: each contender's figure across the family's cases, kernels and baselines against bounds.
+
+Memory-bound families (their kernel has a GB/s rate) plot GB/s, so the bound (copy or read bandwidth) is the
+ceiling; the others plot milliseconds per call, so the bound is the floor. Bars span the interquartile range.
+Needs matplotlib (``pip install 'fastmesh[bench]'``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from fastmesh.bench.report import contender_order
+
+_STYLE = {"kernel": ("o", "-"), "baseline": ("s", "--"), "bound": ("", ":"), "part": ("^", "-.")}
+
+
+def matplotlib_missing() -> str | None:
+    """None when plots can be drawn, else why not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "matplotlib is not installed (pip install 'fastmesh[bench]')"
+    return None
+
+
+def plot_family(family: str, rows: list[dict], out_dir: str) -> str:
+    """Writes ``out_dir/<family>.png``; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    in_gbs = all(r["figures"][r["kernel"]].get("rate", {}).get("unit") == "GB/s" for r in rows)
+    labels = [f"{r['case']} {r['dtype']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(rows) + 3), 5.0))
+    for name in contender_order(rows):
+        xs, ys, lows, highs = [], [], [], []
+        kind = None
+        for x, row in enumerate(rows):
+            figure = row["figures"].get(name)
+            if figure is None or (in_gbs and "rate" not in figure):
+                continue
+            kind = figure["kind"]
+            ms = figure["ms"]
+            if in_gbs:
+                rate = figure["rate"]["value"]  # work / median time: the quartiles of time bound it
+                y, low, high = rate, rate * ms["median"] / ms["q3"], rate * ms["median"] / ms["q1"]
+            else:
+                y, low, high = ms["median"], ms["q1"], ms["q3"]
+            xs.append(x)
+            ys.append(y)
+            lows.append(y - low)
+            highs.append(high - y)
+        if kind in (None, "part"):
+            continue
+        marker, line = _STYLE[kind]
+        ax.errorbar(xs, ys, yerr=[lows, highs], marker=marker, linestyle=line, capsize=3, label=f"{name} ({kind})")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("GB/s (higher is better)" if in_gbs else "ms per call (lower is better)")
+    if not in_gbs:
+        ax.set_yscale("log")
+    ax.set_title(f"fastmesh bench: {family}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{family}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,62 @@
+"""The runner's outputs: the terminal table per family and the JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+_KIND_ORDER = {"kernel": 0, "baseline": 1, "part": 2, "bound": 3}
+
+
+def contender_order(rows: list[dict]) -> list[str]:
+    """Every contender of a family's rows: kernels, baselines, parts, bounds (first appearance within a kind)."""
+    seen = {}
+    for row in rows:
+        for name, figure in row["figures"].items():
+            seen.setdefault(name, figure["kind"])
+    return sorted(seen, key=lambda name: _KIND_ORDER[seen[name]])
+
+
+def _ratio_order(rows: list[dict]) -> list[str]:
+    names = []
+    for row in rows:
+        names += [name for name in row["ratios"] if name not in names]
+    return names
+
+
+def _cell(spread_: dict | None, digits: int) -> str:
+    if spread_ is None:
+        return "-"
+    return f"{spread_['median']:.{digits}f}±{spread_['q3'] - spread_['q1']:.{digits}f}"
+
+
+def table(family: str, rows: list[dict]) -> str:
+    """A family's rows as a text table: each contender's median ms ±IQR, the kernel's rate, every ratio."""
+    contenders, ratios = contender_order(rows), _ratio_order(rows)
+    kernel_rate_unit = next((r["figures"][r["kernel"]]["rate"]["unit"] for r in rows
+                             if "rate" in r["figures"][r["kernel"]]), None)
+    case_width = max(len(r["case"]) for r in rows)
+    titles = [f"{name} ms" for name in contenders] + ([kernel_rate_unit] if kernel_rate_unit else []) + ratios
+    widths = [max(len(t), 11) for t in titles]
+    lines = [f"{family}: median ±IQR over the rounds; ratios per round (speedup_vs_X = X / kernel, "
+             "kernel_over_bound = kernel / bound)",
+             f"{'case':{case_width}s} {'dtype':8s} " + " ".join(f"{t:>{w}s}" for t, w in zip(titles, widths))]
+    for row in rows:
+        cells = [_cell(row["figures"][name]["ms"] if name in row["figures"] else None, 2 if _small(row, name) else 1)
+                 for name in contenders]
+        if kernel_rate_unit:
+            rate = row["figures"][row["kernel"]].get("rate")
+            cells.append("-" if rate is None else f"{rate['value']:.1f}")
+        cells += [_cell(row["ratios"].get(name), 2) for name in ratios]
+        lines.append(f"{row['case']:{case_width}s} {row['dtype']:8s} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
+    return "\n".join(lines)
+
+
+def _small(row, name) -> bool:
+    return name in row["figures"] and row["figures"][name]["ms"]["median"] < 10
+
+
+def write_json(path: str, meta: dict, families: dict, skipped: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "families": families, "skipped": skipped}, f, indent=1)

@@ -1,0 +1,258 @@
+"""``fastmesh bench``: runs the benchmark families, prints a table per family, writes JSON and PNG plots.
+
+    fastmesh bench --quick                       # every family, small (a few minutes on 2 CPU cores)
+    fastmesh bench                               # every family, the full case lists
+    fastmesh bench --only fused_collectives --dtype float32 --case fused_collectives=ag:4096x4096:0:1024
+    torchrun --nproc-per-node 4 -m fastmesh.bench.runner --quick   # the world torchrun gives
+    fastmesh bench --device cuda                 # on GPUs (distributed families need two or more)
+
+Single-process families (``fp8_quantize``, ``amax``) run in this process with every core. Distributed families
+(``fused_collectives``, ``tp_block``) run on ranks started here with torch's elastic launcher
+(``torch.distributed.launcher.api.elastic_launch``, what ``torchrun`` uses), ``--world`` of them (default 2 on CPU,
+every GPU on CUDA), with ``cores // world`` intra-op threads each; or, under ``torchrun``, on its world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fastmesh.bench import fp8_quantize, fused_collectives, launch, machine, plots, report, tp_block
+from fastmesh.bench.family import DTYPES, Context
+from fastmesh.bench.timing import clock_for
+
+FAMILIES = {f.name: f for f in (*fp8_quantize.FAMILIES, fused_collectives.FAMILY, tp_block.FAMILY)}
+QUICK_REPEATS, QUICK_WARMUP, FULL_REPEATS, FULL_WARMUP = 5, 1, 15, 3
+
+
+@dataclass
+class Plan:
+    """What to run (picklable: it travels to spawned ranks)."""
+
+    families: list[str]
+    device_type: str
+    quick: bool
+    repeats: int
+    warmup: int
+    dtypes: tuple[str, ...]
+    cases: dict[str, list[str]] = field(default_factory=dict)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastmesh bench", description="fastmesh's kernel benchmarks, each beside its baselines and bound",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="families:\n" + "\n".join(f"  {f.name:18s} {f.description}" for f in FAMILIES.values()))
+    parser.add_argument("--quick", action="store_true", help="small cases and 5 rounds (the README's main command)")
+    parser.add_argument("--only", nargs="+", choices=list(FAMILIES), metavar="NAME",
+                        help=f"run only these families ({', '.join(FAMILIES)})")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when a GPU is visible, else cpu")
+    parser.add_argument("--world", type=int, default=None,
+                        help="ranks to start for distributed families (default: 2 on CPU, every GPU on CUDA); "
+                             "under torchrun, torchrun's world")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads per rank (default: cores // ranks; single-process families: cores)")
+    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES),
+                        help="dtypes to measure (each family takes those it has; float8: the FP8 forms)")
+    parser.add_argument("--case", action="append", default=[], metavar="NAME=SPEC",
+                        help="replace a family's cases with these (repeatable), e.g. tp_block=8x256x256x512")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed rounds (default {FULL_REPEATS}; {QUICK_REPEATS} with --quick)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"untimed rounds first (default {FULL_WARMUP}; {QUICK_WARMUP} with --quick)")
+    parser.add_argument("--out", default="fastmesh-bench", metavar="DIR",
+                        help="where bench.json and the plots go (default ./fastmesh-bench)")
+    parser.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    return parser
+
+
+def _plan(args, parser, device_type: str, world: int) -> Plan:
+    repeats = args.repeats or (QUICK_REPEATS if args.quick else FULL_REPEATS)
+    warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else FULL_WARMUP)
+    if repeats < 2:
+        parser.error("--repeats must be at least 2 (the spread needs two samples)")
+    if warmup < 0:
+        parser.error("--warmup must be >= 0")
+    cases: dict[str, list[str]] = {}
+    for item in args.case:
+        name, _, spec = item.partition("=")
+        if name not in FAMILIES or not spec:
+            parser.error(f"--case {item!r}: expected NAME=SPEC with NAME one of {', '.join(FAMILIES)}")
+        try:
+            FAMILIES[name].parse_case(spec, world)
+        except ValueError as error:
+            parser.error(f"--case {item!r}: {error}")
+        cases.setdefault(name, []).append(spec)
+    families = args.only or list(FAMILIES)
+    unused = sorted(set(cases) - set(families))
+    if unused:
+        parser.error(f"--case given for {', '.join(unused)}, which --only leaves out")
+    return Plan(families, device_type, args.quick, repeats, warmup, tuple(args.dtype), cases)
+
+
+def _context(plan: Plan, name: str, leader: bool, group=None, mesh=None) -> Context:
+    device = torch.device(plan.device_type, torch.cuda.current_device()) if plan.device_type == "cuda" else \
+        torch.device("cpu")
+    return Context(family=name, device=device, quick=plan.quick, repeats=plan.repeats, warmup=plan.warmup,
+                   dtypes=plan.dtypes, cases=plan.cases.get(name, []), clock=clock_for(device), leader=leader,
+                   group=group, mesh=mesh)
+
+
+def _run_families(plan: Plan, names: list[str], leader: bool, group=None, mesh=None) -> dict:
+    results = {}
+    for name in names:
+        family = FAMILIES[name]
+        if leader:
+            print(f"\n== {name}: {family.description}", flush=True)
+        ctx = _context(plan, name, leader, group, mesh)
+        family.run(ctx)
+        results[name] = {"description": family.description, "rows": ctx.rows, "notes": ctx.notes}
+    return results
+
+
+def _distributed_names(plan: Plan) -> list[str]:
+    return [n for n in plan.families if FAMILIES[n].distributed]
+
+
+def _rank_main(settings: launch.RankSettings, plan: Plan) -> dict | None:
+    """A rank started by :func:`launch.launch`: the distributed families on the launcher's world."""
+    launch.keep_freed_memory()
+    torch.set_num_threads(settings.threads)
+    return _distributed_on_world(plan)
+
+
+def _distributed_on_world(plan: Plan) -> dict | None:
+    """The distributed families on the world in the environment (RANK, WORLD_SIZE, ...); rank 0 returns them."""
+    import torch.distributed as dist
+
+    import fastmesh
+
+    if plan.device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    mesh = fastmesh.init_mesh(tp=int(os.environ["WORLD_SIZE"]), device_type=plan.device_type,
+                              timeout=launch.COLLECTIVE_TIMEOUT)
+    leader = dist.get_rank() == 0
+    try:
+        results = _run_families(plan, _distributed_names(plan), leader, mesh.get_group(), mesh)
+    finally:
+        dist.destroy_process_group()
+    return results if leader else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    if args.world is not None and args.world < 1:
+        parser.error("--world must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
+    under_torchrun = launch.torchrun_world()
+    if under_torchrun:
+        rank, world, local_world = under_torchrun
+        if args.world not in (None, world):
+            parser.error(f"--world {args.world}: torchrun started {world} ranks")
+    else:
+        rank = 0
+        world = args.world or (torch.cuda.device_count() if device_type == "cuda" else 2)
+        local_world = world
+    plan = _plan(args, parser, device_type, world)
+    leader = rank == 0
+    cores = machine.cores()
+    allocator = launch.keep_freed_memory()
+    meta = machine.describe(["fastmesh", "bench", *argv])
+    local = [n for n in plan.families if not FAMILIES[n].distributed]
+    distributed = _distributed_names(plan)
+    skipped = {}
+    if distributed and device_type == "cuda" and world < 2:
+        reason = f"needs two or more CUDA devices (one rank per GPU), found {world}"
+        skipped = {name: reason for name in distributed}
+        distributed = []
+    threads, warning = launch.threads_per_rank(local_world, cores, args.threads)
+    local_threads = args.threads or cores
+    meta["run"] = {
+        "device": device_type, "quick": plan.quick, "repeats": plan.repeats, "warmup": plan.warmup,
+        "dtypes": list(plan.dtypes), "cases": plan.cases, "allocator": allocator,
+        "launcher": "torchrun" if under_torchrun else "elastic_launch", "world": world,
+        "local_ranks": local_world, "threads_per_rank": threads, "single_process_threads": local_threads,
+        "backend": "nccl" if device_type == "cuda" else "gloo",
+    }
+    if leader:
+        _print_setup(meta, local, distributed, skipped, warning, under_torchrun, cores)
+    start = time.perf_counter()
+    results = {}
+    if local and leader:
+        torch.set_num_threads(local_threads)
+        results.update(_run_families(plan, local, leader=True))
+    if distributed:
+        plan.families = [n for n in plan.families if n in distributed]
+        if under_torchrun:
+            # The other ranks wait for rank 0 here (within the collective timeout) while it runs the
+            # single-process families.
+            torch.set_num_threads(threads)
+            results.update(_distributed_on_world(plan) or {})
+        else:
+            results.update(launch.launch(world, launch.RankSettings(threads, device_type), _rank_main, plan))
+    if not leader:
+        return 0
+    ordered = {name: results[name] for name in FAMILIES if name in results}
+    _write_outputs(args, meta, ordered, skipped, time.perf_counter() - start)
+    return 0
+
+
+def _print_setup(meta, local, distributed, skipped, warning, under_torchrun, cores) -> None:
+    run = meta["run"]
+    for line in machine.summary_lines(meta):
+        print(line)
+    print(f"allocator: {run['allocator']}")
+    if local:
+        print(f"single-process families ({', '.join(local)}): {run['single_process_threads']} intra-op thread(s), "
+              f"{cores} cores")
+    if distributed:
+        how = "torchrun's world" if under_torchrun else "started with torch's elastic launcher"
+        print(f"distributed families ({', '.join(distributed)}): {run['world']} ranks on {run['backend']} ({how}), "
+              f"{run['threads_per_rank']} intra-op thread(s) per rank: {run['local_ranks']} local ranks x "
+              f"{run['threads_per_rank']} = {run['local_ranks'] * run['threads_per_rank']} threads on {cores} cores")
+    if warning:
+        print(f"WARNING: {warning}", file=sys.stderr, flush=True)
+    for name, reason in skipped.items():
+        print(f"{name}: not run: {reason}")
+    print(f"{run['repeats']} interleaved rounds after {run['warmup']} warm-up per case; every result checked "
+          "against its baseline before timing", flush=True)
+
+
+def _write_outputs(args, meta: dict, results: dict, skipped: dict, seconds: float) -> None:
+    meta["run"]["seconds"] = round(seconds, 1)
+    print()
+    for name, result in results.items():
+        if result["rows"]:
+            print(report.table(name, result["rows"]))
+        for note in result["notes"]:
+            print(f"  note: {note}")
+        print()
+    path = os.path.join(args.out, "bench.json")
+    report.write_json(path, meta, results, skipped)
+    print(f"wrote {path}")
+    if args.no_plots:
+        return
+    missing = plots.matplotlib_missing()
+    if missing:
+        print(f"plots not written: {missing}")
+        return
+    for name, result in results.items():
+        if result["rows"]:
+            print(f"wrote {plots.plot_family(name, result['rows'], args.out)}")
+    print(f"total {seconds:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
