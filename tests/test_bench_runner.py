@@ -1,0 +1,170 @@
+"""The ``fastmesh bench`` runner on tiny sizes: its JSON's structure, every figure positive and finite, its ranks.
+
+These are correctness tests of the runner (it measures what it says, writes what it promises, rejects bad
+options), not timed tests: nothing here compares speeds.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastmesh.bench import figures, runner
+
+TINY_CASES = ["fp8_quantize=256x256", "amax=256x256", "fused_collectives=ag:64x128:0:32",
+              "fused_collectives=rs:2x64x32:1:64", "fused_collectives=ag:2x32x128:1:16,8", "tp_block=2x64x256x256"]
+TINY = ["--repeats", "2", "--warmup", "0"]
+META_KEYS = {"date", "machine", "versions", "commit", "command", "run"}
+RUN_KEYS = {"device", "quick", "repeats", "warmup", "launcher", "world", "threads_per_rank", "backend", "allocator"}
+
+
+def _run(args, tmp_path, launcher=(sys.executable, "-m", "fastmesh.bench.runner"), timeout=900):
+    out = tmp_path / "out"
+    result = subprocess.run([*launcher, *args, "--out", str(out)], capture_output=True, text=True, timeout=timeout,
+                            cwd=tmp_path)
+    assert result.returncode == 0, f"runner failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    with open(out / "bench.json") as f:
+        return json.load(f), result.stdout, out
+
+
+def _numbers(node, path=""):
+    """Every number in a JSON tree, with its path."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _numbers(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _numbers(value, f"{path}/{i}")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield path, node
+
+
+def _check_rows(rows, family):
+    assert rows, f"{family}: no rows"
+    for row in rows:
+        where = f"{family} / {row['case']} / {row['dtype']}"
+        assert row["family"] == family and row["kernel"] in row["figures"], where
+        kinds = {figure["kind"] for figure in row["figures"].values()}
+        assert kinds <= set(figures.KINDS) and {"kernel", "baseline", "bound"} <= kinds, (where, kinds)
+        for name, figure in row["figures"].items():
+            assert set(figure["ms"]) == {"median", "q1", "q3", "min", "max"}, (where, name)
+            ms = figure["ms"]
+            assert ms["min"] <= ms["q1"] <= ms["median"] <= ms["q3"] <= ms["max"], (where, name, ms)
+            if figure["kind"] != "bound":  # a bound is derived per round from measured parts
+                assert len(row["samples_s"][name]) == 2, (where, name)
+        for name, figure in row["figures"].items():
+            if figure["kind"] == "baseline":
+                assert f"speedup_vs_{name}" in row["ratios"], (where, name)
+            if figure["kind"] == "bound":
+                assert f"{row['kernel']}_over_{name}" in row["ratios"], (where, name)
+        for path, value in [*_numbers(row["figures"]), *_numbers(row["ratios"]), *_numbers(row["samples_s"])]:
+            assert math.isfinite(value) and value > 0, f"{where}{path} = {value}"
+
+
+def _matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_runner_every_family_on_tiny_sizes(tmp_path):
+    cases = [arg for case in TINY_CASES for arg in ("--case", case)]
+    result, stdout, out = _run(["--quick", "--dtype", "float32", "float8", *cases, *TINY], tmp_path)
+    assert META_KEYS <= set(result["meta"]) and RUN_KEYS <= set(result["meta"]["run"])
+    meta, run = result["meta"], result["meta"]["run"]
+    assert {"cpu", "cores", "memory_gib", "gpus"} <= set(meta["machine"])
+    assert {"torch", "triton", "fastmesh", "python"} <= set(meta["versions"])
+    assert meta["commit"] and meta["command"].startswith("fastmesh bench --quick")
+    assert run["launcher"] == "elastic_launch" and run["world"] == 2 and run["device"] == "cpu"
+    assert run["world"] * run["threads_per_rank"] <= max(meta["machine"]["cores"], run["world"])
+    assert list(result["families"]) == list(runner.FAMILIES), "every family, in the runner's order"
+    for family, data in result["families"].items():
+        _check_rows(data["rows"], family)
+    rows = result["families"]
+    # float32 and float8 only: the quantize families measure float32; fused collectives both, in both ops' FP8 forms.
+    assert {r["dtype"] for r in rows["fp8_quantize"]["rows"]} == {"float32"}
+    assert len(rows["fp8_quantize"]["rows"]) == 5  # 4 granularities + the given scale
+    fused = rows["fused_collectives"]["rows"]
+    assert len(fused) == 3 + 2 * 3  # float32: 3 cases; float8: each case row-wise and tensor-wise
+    assert {r["params"]["granularity"] for r in fused if r["dtype"] == "float8"} == {"rowwise", "tensorwise"}
+    block = {r["dtype"]: r for r in rows["tp_block"]["rows"]}
+    assert {"native", "native_c", "native_c+pass", "fastmesh_c"} <= set(block["float32"]["figures"])
+    assert "pass_speedup" in block["float32"]["ratios"] and "native" in block["float8"]["figures"]
+    assert "symm_mem baseline not run" in " ".join(rows["fused_collectives"]["notes"])
+    # The table and the progress lines.
+    assert "[tp_block 2/2" in stdout and "speedup_vs_unfused" in stdout
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    if _matplotlib():
+        assert pngs == sorted(f"{name}.png" for name in runner.FAMILIES)
+        for png in pngs:
+            assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not pngs and "plots not written: matplotlib is not installed" in stdout
+
+
+@pytest.mark.smoke
+def test_runner_single_process_family(tmp_path):
+    result, _, _ = _run(["--only", "amax", "--case", "amax=256x256", "--dtype", "bfloat16", "--no-plots", *TINY],
+                        tmp_path)
+    assert list(result["families"]) == ["amax"]
+    _check_rows(result["families"]["amax"]["rows"], "amax")
+
+
+def test_runner_under_torchrun_uses_its_world(tmp_path):
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                "fastmesh.bench.runner")
+    result, stdout, _ = _run(["--only", "amax", "fused_collectives", "--dtype", "bfloat16", "--no-plots",
+                              "--case", "amax=256x256", "--case", "fused_collectives=ag:64x128:0:32", *TINY],
+                             tmp_path, launcher=torchrun)
+    run = result["meta"]["run"]
+    assert run["launcher"] == "torchrun" and run["world"] == 2 and run["local_ranks"] == 2
+    # rank 0 ran the single-process family while the other rank waited, then both ran the distributed one
+    _check_rows(result["families"]["amax"]["rows"], "amax")
+    _check_rows(result["families"]["fused_collectives"]["rows"], "fused_collectives")
+    assert stdout.count("wrote ") == 1, "only rank 0 writes"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--case", "fused_collectives=rs:3x64:0:64"], "must be divisible by the 2 ranks"),
+    (["--case", "fused_collectives=xx:64:0:32"], 'expected "ag|rs:DxDx..:dim:N[,N..]"'),
+    (["--case", "tp_block=2x64x200x256"], "must be positive and divisible by the 2 ranks"),
+    (["--case", "fp8_quantize=100x256"], "multiples of 128"),
+    (["--case", "nosuch=1"], "expected NAME=SPEC with NAME one of fp8_quantize"),
+    (["--only", "amax", "--case", "tp_block=2x64x256x256"], "--case given for tp_block, which --only leaves out"),
+    (["--repeats", "1"], "--repeats must be at least 2"),
+    (["--world", "0"], "--world must be >= 1"),
+])
+def test_bad_options_are_named(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        runner.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_cuda_without_a_gpu_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        runner.main(["--device", "cuda"])
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_ratios_are_per_round_and_figures_must_be_positive():
+    case = figures.Case("demo", "c", "float32", "k", {
+        "k": figures.Contender("kernel", [1.0, 2.0, 4.0], 8.0, "bytes"),
+        "base": figures.Contender("baseline", [2.0, 2.0, 2.0]),
+        "bound": figures.Contender("bound", [0.5, 1.0, 1.0]),
+    })
+    row = case.row()
+    # per round: base / k = 2, 1, 0.5 (median 1); the medians' ratio would be 2 / 2 = 1 too, but the spread differs
+    assert row["ratios"]["speedup_vs_base"] == {"median": 1.0, "q1": 0.75, "q3": 1.5, "min": 0.5, "max": 2.0}
+    assert row["ratios"]["k_over_bound"]["median"] == 2.0
+    assert row["figures"]["k"]["rate"] == {"value": 8.0 / 2.0 / 1e9, "unit": "GB/s"}
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        broken = figures.Case("demo", "c", "float32", "k", {"k": figures.Contender("kernel", [1.0, bad])})
+        with pytest.raises(ValueError, match="is not a positive finite number"):
+            broken.row()
