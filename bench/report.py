@@ -1,4 +1,4 @@
-"""The runner's outputs: the terminal table per family and the JSON file."""
+"""The runner's outputs: the terminal table and the markdown table per family, and the JSON file."""
 
 from __future__ import annotations
 
@@ -49,6 +49,23 @@ def table(family: str, rows: list[dict]) -> str:
             cells.append("-" if rate is None else f"{rate['value']:.1f}")
         cells += [_cell(row["ratios"].get(name), 2) for name in ratios]
         lines.append(f"{row['case']:{case_width}s} {row['dtype']:8s} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
+    return "\n".join(lines)
+
+
+def markdown(family: str, rows: list[dict]) -> str:
+    """A family's rows as a markdown table of medians (ms, the kernel's rate, ratios); spreads are in the JSON."""
+    contenders, ratios = contender_order(rows), _ratio_order(rows)
+    unit = next((r["figures"][r["kernel"]]["rate"]["unit"] for r in rows if "rate" in r["figures"][r["kernel"]]), None)
+    titles = ["case", "dtype", *(f"{name} ms" for name in contenders), *([unit] if unit else []), *ratios]
+    lines = [f"| {' | '.join(titles)} |", "|" + "---|" * len(titles)]
+    for row in rows:
+        cells = [row["case"], row["dtype"]]
+        cells += [f"{row['figures'][name]['ms']['median']:.3g}" if name in row["figures"] else "-" for name in contenders]
+        if unit:
+            rate = row["figures"][row["kernel"]].get("rate")
+            cells.append("-" if rate is None else f"{rate['value']:.3g}")
+        cells += [f"{row['ratios'][name]['median']:.2f}" if name in row["ratios"] else "-" for name in ratios]
+        lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

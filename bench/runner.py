@@ -111,7 +111,11 @@ def _run_families(plan: Plan, names: list[str], leader: bool, group=None, mesh=N
         if leader:
             print(f"\n== {name}: {family.description}", flush=True)
         ctx = _context(plan, name, leader, group, mesh)
-        family.run(ctx)
+        if set(plan.dtypes) & set(family.dtypes):
+            family.run(ctx)
+        else:
+            ctx.note(f"nothing measured: --dtype {' '.join(plan.dtypes)} has none of its dtypes "
+                     f"({' '.join(family.dtypes)})")
         results[name] = {"description": family.description, "rows": ctx.rows, "notes": ctx.notes}
     return results
 
@@ -241,6 +245,14 @@ def _write_outputs(args, meta: dict, results: dict, skipped: dict, seconds: floa
         print()
     path = os.path.join(args.out, "bench.json")
     report.write_json(path, meta, results, skipped)
+    print(f"wrote {path}")
+    path = os.path.join(args.out, "bench.md")
+    with open(path, "w") as f:
+        f.write("\n".join(machine.summary_lines(meta)) + "\n")
+        for name, result in results.items():
+            if result["rows"]:
+                f.write(f"\n{name} (medians over {meta['run']['repeats']} rounds; spreads in bench.json)\n\n"
+                        f"{report.markdown(name, result['rows'])}\n")
     print(f"wrote {path}")
     if args.no_plots:
         return

@@ -20,7 +20,8 @@ as long as its slowest rank):
   the timed native step minus its exposed communication (the time the main thread is blocked in c10d calls,
   profiled afterwards over a few steps, ``fastmesh/testing/comm_profile.py``; the slowest rank's). Under the
   native plan nothing overlaps, so this is the block's computation alone. ``details`` in the JSON keep the
-  profiled figures.
+  profiled figures. On CUDA, NCCL's collectives are asynchronous, so the host is not blocked while they run:
+  the profile then under-counts exposed communication and this bound is loose (too high).
 
 Every contender's output and input gradient is checked against the native plan's before timing (compiled: the
 tolerance of inductor's fp32 intermediates; float8: a relative error bound). Compiling happens in that check,

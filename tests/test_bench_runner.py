@@ -15,7 +15,8 @@ import torch
 from fastmesh.bench import figures, runner
 
 TINY_CASES = ["fp8_quantize=256x256", "amax=256x256", "fused_collectives=ag:64x128:0:32",
-              "fused_collectives=rs:2x64x32:1:64", "fused_collectives=ag:2x32x128:1:16,8", "tp_block=2x64x256x256"]
+              "fused_collectives=rs:2x64x32:1:64", "fused_collectives=ag:2x32x128:1:16,8",
+              "fused_collectives=ag:64x64:-1:16", "tp_block=2x64x256x256"]
 TINY = ["--repeats", "2", "--warmup", "0"]
 META_KEYS = {"date", "machine", "versions", "commit", "command", "run"}
 RUN_KEYS = {"device", "quick", "repeats", "warmup", "launcher", "world", "threads_per_rank", "backend", "allocator"}
@@ -90,14 +91,18 @@ def test_runner_every_family_on_tiny_sizes(tmp_path):
     assert {r["dtype"] for r in rows["fp8_quantize"]["rows"]} == {"float32"}
     assert len(rows["fp8_quantize"]["rows"]) == 5  # 4 granularities + the given scale
     fused = rows["fused_collectives"]["rows"]
-    assert len(fused) == 3 + 2 * 3  # float32: 3 cases; float8: each case row-wise and tensor-wise
+    # float32: 4 cases; float8: each case row-wise and tensor-wise, but for the gather of the last dim (noted)
+    assert len(fused) == 4 + 2 * 3
     assert {r["params"]["granularity"] for r in fused if r["dtype"] == "float8"} == {"rowwise", "tensorwise"}
     block = {r["dtype"]: r for r in rows["tp_block"]["rows"]}
     assert {"native", "native_c", "native_c+pass", "fastmesh_c"} <= set(block["float32"]["figures"])
     assert "pass_speedup" in block["float32"]["ratios"] and "native" in block["float8"]["figures"]
-    assert "symm_mem baseline not run" in " ".join(rows["fused_collectives"]["notes"])
+    notes = " ".join(rows["fused_collectives"]["notes"])
+    assert "symm_mem baseline not run" in notes and "[64, 64] d-1 N=16 float8 skipped" in notes
     # The table and the progress lines.
     assert "[tp_block 2/2" in stdout and "speedup_vs_unfused" in stdout
+    markdown = (out / "bench.md").read_text()
+    assert all(f"\n{name} (medians" in markdown for name in runner.FAMILIES) and "| case | dtype |" in markdown
     pngs = sorted(p.name for p in out.glob("*.png"))
     if _matplotlib():
         assert pngs == sorted(f"{name}.png" for name in runner.FAMILIES)
@@ -126,7 +131,7 @@ def test_runner_under_torchrun_uses_its_world(tmp_path):
     # rank 0 ran the single-process family while the other rank waited, then both ran the distributed one
     _check_rows(result["families"]["amax"]["rows"], "amax")
     _check_rows(result["families"]["fused_collectives"]["rows"], "fused_collectives")
-    assert stdout.count("wrote ") == 1, "only rank 0 writes"
+    assert stdout.count("wrote ") == 2, "bench.json and bench.md, by rank 0 only"
 
 
 @pytest.mark.parametrize("args, message", [
