@@ -103,7 +103,7 @@ def parse_spec(spec: str, world: int = 2) -> Spec:
     return parsed
 
 
-def _collectives():
+def c10d_collectives():
     """(all_gather, reduce_scatter) c10d calls into preallocated buffers: torch 2.14 renames *_into_tensor /
     *_tensor to *_single (the old names warn); torch 2.11 has only the old names."""
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -164,7 +164,7 @@ class _Gather:
         world, rank = group.size(), group.rank()
         self.spec, self.group, self.world, self.rank = spec, group, world, rank
         self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
-        self.all_gather, _ = _collectives()
+        self.all_gather, _ = c10d_collectives()
         dtype = TORCH_DTYPES[dtype_name]
         self.dim = spec.dim % len(spec.shape)
         k = spec.shape[-1] * (world if self.dim == len(spec.shape) - 1 else 1)
@@ -265,7 +265,7 @@ class _Scatter:
         world, rank = group.size(), group.rank()
         self.spec, self.group, self.world, self.rank = spec, group, world, rank
         self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
-        _, self.reduce_scatter = _collectives()
+        _, self.reduce_scatter = c10d_collectives()
         dtype = TORCH_DTYPES[dtype_name]
         (n,) = spec.ns
         k = spec.shape[-1]
@@ -357,7 +357,7 @@ def _cases(ctx: Context):
                 yield parse_spec(spec, ctx.group.size()), dtype_name, granularity
 
 
-def _rowwise_scaled_mm_on_cpu() -> bool:
+def rowwise_scaled_mm_on_cpu() -> bool:
     version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     return version >= (2, 13)
 
@@ -367,7 +367,7 @@ def run(ctx: Context) -> None:
     ctx.expect(len(cases))
     gloo = ctx.device.type == "cpu"
     for spec, dtype_name, granularity in cases:
-        if granularity == "rowwise" and gloo and not _rowwise_scaled_mm_on_cpu():
+        if granularity == "rowwise" and gloo and not rowwise_scaled_mm_on_cpu():
             ctx.note(f"{spec.label()} float8 rowwise skipped: torch < 2.13 has no row-wise _scaled_mm on CPU")
             continue
         if granularity and spec.op == "all_gather_matmul" and spec.dim % len(spec.shape) == len(spec.shape) - 1:

@@ -12,8 +12,8 @@ as long as its slowest rank):
   ``native_c+pass`` (the native plan compiled with fastmesh's fusion pass, which must fuse all 8 collectives:
   checked) and ``fastmesh_c``; ratios ``pass_speedup = native_c / native_c+pass`` and
   ``compiled_speedup = native_c / fastmesh_c``;
-* float8: fastmesh's plan with ``Float8Config(granularity="rowwise")`` on bf16 weights against the bf16 native
-  plan, and torchao's float8 plan (``Float8ColwiseParallel`` / ``Float8RowwiseParallel``, tensor-wise) when
+* float8: fastmesh's plan with ``Float8Config(granularity="rowwise")`` (tensor-wise on CPU before torch 2.13) on
+  bf16 weights against the bf16 native plan, and torchao's float8 plan (``Float8ColwiseParallel`` / ``Float8RowwiseParallel``, tensor-wise) when
   torchao is installed and the backend carries float8 tensors (NCCL; gloo does not);
 * ``comm`` (part): the step's 4 all-gathers and 4 reduce-scatters as c10d collectives alone, same sizes;
 * ``bound``: ``max(comm, compute)`` per round, where ``compute`` is the native step without its communication:
@@ -46,14 +46,14 @@ import fastmesh.compile
 from fastmesh.bench import torchao_baselines
 from fastmesh.bench.family import Context, Family
 from fastmesh.bench.figures import Case, Contender
-from fastmesh.bench.fused_collectives import _collectives
+from fastmesh.bench.fused_collectives import c10d_collectives, rowwise_scaled_mm_on_cpu
 from fastmesh.bench.timing import time_slowest_rank
 from fastmesh.fp8 import Float8Config
 from fastmesh.testing.comm_profile import STEP_EVENT, cpu_profile, step_comm_times
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}
-FP8_CONFIG = Float8Config(granularity="rowwise")
+FP8_ROWWISE, FP8_TENSORWISE = Float8Config(granularity="rowwise"), Float8Config(granularity="tensorwise")
 # name -> (plan, fusion pass on): the compiled contenders
 COMPILED = {"native_c": ("native", False), "native_c+pass": ("native", True), "fastmesh_c": ("fastmesh", False)}
 # The collectives the pass must fuse per compiled block: 2 all-gathers and 2 reduce-scatters in each graph.
@@ -116,6 +116,13 @@ def _check_fused(report, rank):
                            f"({fused} instead of {FUSED_PER_GRAPH}):\n{report}")
 
 
+def _fp8_config(device_type, note):
+    if device_type == "cpu" and not rowwise_scaled_mm_on_cpu():
+        note("float8: fastmesh's plan with tensor-wise scales (torch < 2.13 has no row-wise _scaled_mm on CPU)")
+        return FP8_TENSORWISE
+    return FP8_ROWWISE
+
+
 def _variants(dtype_name, mesh, note):
     """{contender: (plan, fusion, make block)} for one dtype."""
     variants = {"native": ("native", None), "fastmesh": ("fastmesh", None)}
@@ -145,6 +152,7 @@ def block_steps(shape, dtype_name, mesh, note):
     x = torch.randn(batch, seq_len // tp, dim, generator=torch.Generator().manual_seed(1000 + rank))
     x = x.to(device=mesh.device_type, dtype=dtype).requires_grad_()
     variants = _variants(dtype_name, mesh, note)
+    fp8_config = _fp8_config(mesh.device_type, note)
     # The compiled contenders share one code object (the lambda in _step): forget earlier cases' graphs so that
     # this case's three stay under dynamo's recompile limit (hitting it fails, see run()).
     torch._dynamo.reset()
@@ -155,7 +163,7 @@ def block_steps(shape, dtype_name, mesh, note):
         if plan == "torchao":
             block = parallelize_module(torchao_baselines.convert(block), mesh, torchao_baselines.block_plan(mesh))
         else:
-            fp8 = FP8_CONFIG if plan == "fastmesh" and dtype_name == "float8" else None
+            fp8 = fp8_config if plan == "fastmesh" and dtype_name == "float8" else None
             block = parallelize_module(block, mesh, block_plan(plan, fp8=fp8))
         steps[name] = _step(block, x, rope, fusion)
         fastmesh.compile.fusion_report(reset=True)
@@ -184,7 +192,7 @@ def comm_step(shape, dtype, group, device):
     """The block step's collectives alone, as c10d collectives of the step's sizes."""
     batch, seq_len, dim, _ = shape
     world = group.size()
-    all_gather, reduce_scatter = _collectives()
+    all_gather, reduce_scatter = c10d_collectives()
     shard_numel = batch * seq_len // world * dim
     shard = torch.randn(shard_numel, device=device).to(dtype)
     full = torch.randn(world * shard_numel, device=device).to(dtype)
@@ -246,7 +254,7 @@ def run(ctx: Context) -> None:
         batch, seq_len, dim, ffn_hidden = shape
         ctx.emit(Case("tp_block", f"block {spec}", dtype_name, "fastmesh", contenders, extra_ratios=extra, details=details,
                       params={"batch": batch, "seq_len": seq_len, "dim": dim, "ffn_hidden": ffn_hidden,
-                              "world": world, "fp8": str(FP8_CONFIG) if dtype_name == "float8" else None}))
+                              "world": world}))
 
 
 FAMILY = Family("tp_block", "one Llama block's forward+backward: fastmesh's plan against torch's native plan, eager, "
