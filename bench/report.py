@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from fastmesh.bench.machine import summary_lines
+
 _KIND_ORDER = {"kernel": 0, "baseline": 1, "part": 2, "bound": 3}
 
 
@@ -24,10 +26,10 @@ def _ratio_order(rows: list[dict]) -> list[str]:
     return names
 
 
-def _cell(spread_: dict | None, digits: int) -> str:
+def _cell(spread_: dict | None, fmt: str, iqr_fmt: str) -> str:
     if spread_ is None:
         return "-"
-    return f"{spread_['median']:.{digits}f}±{spread_['q3'] - spread_['q1']:.{digits}f}"
+    return f"{spread_['median']:{fmt}}±{spread_['q3'] - spread_['q1']:{iqr_fmt}}"
 
 
 def table(family: str, rows: list[dict]) -> str:
@@ -42,12 +44,11 @@ def table(family: str, rows: list[dict]) -> str:
              "kernel_over_bound = kernel / bound)",
              f"{'case':{case_width}s} {'dtype':8s} " + " ".join(f"{t:>{w}s}" for t, w in zip(titles, widths))]
     for row in rows:
-        cells = [_cell(row["figures"][name]["ms"] if name in row["figures"] else None, 2 if _small(row, name) else 1)
-                 for name in contenders]
+        cells = [_cell(row["figures"][name]["ms"] if name in row["figures"] else None, ".3g", ".2g") for name in contenders]
         if kernel_rate_unit:
             rate = row["figures"][row["kernel"]].get("rate")
             cells.append("-" if rate is None else f"{rate['value']:.1f}")
-        cells += [_cell(row["ratios"].get(name), 2) for name in ratios]
+        cells += [_cell(row["ratios"].get(name), ".2f", ".2f") for name in ratios]
         lines.append(f"{row['case']:{case_width}s} {row['dtype']:8s} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
     return "\n".join(lines)
 
@@ -69,11 +70,19 @@ def markdown(family: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _small(row, name) -> bool:
-    return name in row["figures"] and row["figures"][name]["ms"]["median"] < 10
-
-
-def write_json(path: str, meta: dict, families: dict, skipped: dict) -> None:
+def write_json(path: str, meta: dict, families: dict, skipped: dict) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"meta": meta, "families": families, "skipped": skipped}, f, indent=1)
+    return path
+
+
+def write_markdown(path: str, meta: dict, families: dict) -> str:
+    """The machine lines, then each family's markdown table."""
+    with open(path, "w") as f:
+        f.write("\n".join(summary_lines(meta)) + "\n")
+        for name, result in families.items():
+            if result["rows"]:
+                f.write(f"\n{name} (medians over {meta['run']['repeats']} rounds; spreads in bench.json)\n\n"
+                        f"{markdown(name, result['rows'])}\n")
+    return path

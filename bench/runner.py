@@ -243,26 +243,16 @@ def _write_outputs(args, meta: dict, results: dict, skipped: dict, seconds: floa
         for note in result["notes"]:
             print(f"  note: {note}")
         print()
-    path = os.path.join(args.out, "bench.json")
-    report.write_json(path, meta, results, skipped)
-    print(f"wrote {path}")
-    path = os.path.join(args.out, "bench.md")
-    with open(path, "w") as f:
-        f.write("\n".join(machine.summary_lines(meta)) + "\n")
-        for name, result in results.items():
-            if result["rows"]:
-                f.write(f"\n{name} (medians over {meta['run']['repeats']} rounds; spreads in bench.json)\n\n"
-                        f"{report.markdown(name, result['rows'])}\n")
-    print(f"wrote {path}")
-    if args.no_plots:
-        return
-    missing = plots.matplotlib_missing()
+    written = [report.write_json(os.path.join(args.out, "bench.json"), meta, results, skipped),
+               report.write_markdown(os.path.join(args.out, "bench.md"), meta, results)]
+    missing = None if args.no_plots else plots.matplotlib_missing()
     if missing:
         print(f"plots not written: {missing}")
-        return
-    for name, result in results.items():
-        if result["rows"]:
-            print(f"wrote {plots.plot_family(name, result['rows'], args.out)}")
+    elif not args.no_plots:
+        written += [plots.plot_family(name, result["rows"], args.out) for name, result in results.items()
+                    if result["rows"]]
+    for path in written:
+        print(f"wrote {path}")
     print(f"total {seconds:.0f} s")
 
 
