@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import fastmesh
 from fastmesh.kernels import fused_reference as ref
+from comm_counts import c10d_calls, p2p_pieces
 from rank_pool import on_ranks
 
 WORLD = "WORLD"  # placeholder: ranks resolve it to the default group's name
@@ -251,29 +252,6 @@ def test_matmul_reduce_scatter_gradients_match_reference():
 
 # ---- communication pattern ----
 
-def _collectives(fn) -> dict[str, int]:
-    """c10d collectives ``fn`` issues on this rank, by op name, as the profiler records them."""
-    from torch.profiler import profile
-
-    with profile() as prof:
-        fn()
-    counts: dict[str, int] = {}
-    for event in prof.events():
-        if event.name.startswith(("c10d::", "_c10d_functional")):
-            counts[event.name] = counts.get(event.name, 0) + 1
-    return counts
-
-
-SEND, RECV = "c10d::send", "c10d::recv_"
-
-
-def _pieces(world: int, pieces: int) -> dict[str, int]:
-    """What the transfer of `pieces` pieces costs on gloo: each piece goes point-to-point to and from every
-    other rank. (The shape check, one small all-gather, runs on an op's first call on a group only: the tests
-    call each op once before they count.)"""
-    return {SEND: pieces * (world - 1), RECV: pieces * (world - 1)}
-
-
 def _check_shapes_once():
     """Runs both ops once on the world group, so that their first-call shape check is behind us."""
     fastmesh.all_gather_matmul(torch.randn(2, 4), [torch.randn(4, 2)], 0)
@@ -289,10 +267,10 @@ def test_one_pipelined_gather_per_call_whatever_the_number_of_bs(world_size):
     for nbs in (1, 3):
         bs = [torch.randn(16, 4, requires_grad=True) for _ in range(nbs)]
         result = {}
-        forward = _collectives(lambda: result.update(out=fastmesh.all_gather_matmul(a_shard, bs, 0, chunks=3)[1]))
-        assert forward == _pieces(world_size, 3), forward
-        backward = _collectives(lambda: sum(o.sum() for o in result["out"]).backward())
-        assert backward == _pieces(world_size, 3), backward
+        forward = c10d_calls(lambda: result.update(out=fastmesh.all_gather_matmul(a_shard, bs, 0, chunks=3)[1]))
+        assert forward == p2p_pieces(world_size, 3), forward
+        backward = c10d_calls(lambda: sum(o.sum() for o in result["out"]).backward())
+        assert backward == p2p_pieces(world_size, 3), backward
 
 
 @pytest.mark.smoke
@@ -302,10 +280,10 @@ def test_reduce_scatter_backward_is_one_pipelined_gather(world_size):
     a = torch.randn(8, 16, requires_grad=True)
     b = torch.randn(16, 6, requires_grad=True)
     result = {}
-    forward = _collectives(lambda: result.update(out=fastmesh.matmul_reduce_scatter(a, b, 0, chunks=2)))
-    assert forward == _pieces(world_size, 2), forward
-    backward = _collectives(lambda: result["out"].sum().backward())
-    assert backward == _pieces(world_size, 2), backward
+    forward = c10d_calls(lambda: result.update(out=fastmesh.matmul_reduce_scatter(a, b, 0, chunks=2)))
+    assert forward == p2p_pieces(world_size, 2), forward
+    backward = c10d_calls(lambda: result["out"].sum().backward())
+    assert backward == p2p_pieces(world_size, 2), backward
 
 
 # ---- opcheck, compile ----

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import fastmesh
 from fastmesh.fp8 import Float8Config
 from fastmesh.kernels import fused_reference as ref
+from comm_counts import c10d_calls, p2p_pieces
 from rank_pool import on_ranks
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -168,6 +169,30 @@ def _opcheck_fp8(op, args):
     torch.library.opcheck(op, args, test_utils=FP8_OPCHECKS)
     op(*args)
     assert all(torch.equal(_raw(t), b) for t, b in zip(tensors, before)), "an FP8 op mutated an input"
+
+
+@on_ranks(2, 4)
+def test_fp8_ops_on_cpu_move_one_piece_per_rank_by_default(world_size):
+    """torch's CPU _scaled_mm converts all of b on every call, so the automatic piece count on CPU is one per
+    rank block (csrc/fused/scaled.h); an explicit count is honoured. 512 rows of 4 KiB per rank would make the
+    size-based count 2."""
+    name = _world_name()
+    a = fp8_ints((512 * world_size, 64), E4M3, seed=dist.get_rank())
+    b = fp8_ints((4096, 64), E4M3, seed=1).t()
+    one = torch.ones(())
+    op = torch.ops.fastmesh.scaled_matmul_reduce_scatter
+    op(a, one, b, one, 0, "sum", name, torch.float32, 0)  # the first call's shape check is behind us
+    for chunks, pieces in ((0, 1), (3, 3)):
+        calls = c10d_calls(lambda: op(a, one, b, one, 0, "sum", name, torch.float32, chunks))
+        assert calls == p2p_pieces(world_size, pieces), (chunks, calls)
+    gather = torch.ops.fastmesh.all_gather_scaled_matmul
+    a_shard = fp8_ints((1024, 1024), E4M3, seed=dist.get_rank())  # 1 MiB per rank: 2 pieces by size
+    b = fp8_ints((8, 1024), E4M3, seed=2).t()
+    gather(a_shard, one, [b], [one], 0, name, torch.float32, False, 0)
+    for chunks, pieces in ((0, 1), (3, 3)):
+        calls = c10d_calls(lambda: gather(a_shard, one, [b], [one], 0, name, torch.float32, False, chunks))
+        # the pieces of data, and one all-gather of the ranks' scales beside them
+        assert calls == {**p2p_pieces(world_size, pieces), "c10d::_allgather_base_": 1}, (chunks, calls)
 
 
 @on_ranks(2)

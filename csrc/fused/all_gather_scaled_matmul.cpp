@@ -89,7 +89,8 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   std::vector<at::Tensor> out_blocks;
   for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
   const at::Tensor a_bytes = a_full ? rank_blocks_view(a_full->view(at::kByte), layout, world) : at::Tensor();
-  gather_rows(group, shard.view(at::kByte), dim, a_full ? &a_bytes : nullptr, chunks,
+  const int64_t pieces = scaled_pieces(chunks, shard.device());
+  gather_rows(group, shard.view(at::kByte), dim, a_full ? &a_bytes : nullptr, pieces,
               [&](int64_t j, Piece piece, const at::Tensor& block_bytes) {
                 if (j != rank && !scales_arrived) {
                   scales_transfer.wait(0);

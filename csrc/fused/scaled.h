@@ -76,6 +76,16 @@ inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale,
   return at::_scaled_mm(a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
 }
 
+// The piece count of an FP8 op: `chunks` as given, except that the automatic count (0) on CPU is one piece per
+// rank block. torch's CPU _scaled_mm converts all of b to float on every call: measured (torch 2.14, 1 thread),
+// a call costs as much as `b.to(float32)` plus the multiply, 1.6 ms for a [64, 4096] b whatever the rows (1 or
+// 16), as much as multiplying ~250 rows of it. Every extra piece repeats that conversion; with the size-based
+// count (8 pieces per rank block) the FP8 matmul-reduce-scatter of a [4096, 64] x [64, 4096] ran 80 ms on 2
+// ranks, with one piece 56 ms.
+inline int64_t scaled_pieces(int64_t chunks, const at::Device& device) {
+  return chunks == 0 && device.is_cpu() ? 1 : chunks;
+}
+
 // The same into `block` ([B, rows, N], B * rows == a_rows' rows): written in place when it is one
 // contiguous matrix, else through a temporary.
 inline void scaled_mm_into(at::Tensor block, const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,

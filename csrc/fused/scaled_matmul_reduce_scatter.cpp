@@ -48,7 +48,7 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
   const at::Tensor a_scale_rows = a_rowwise_scale ? a_scale.contiguous().view({-1, 1}) : a_scale;
   at::Tensor a_blocks, scale_blocks;  // [P, W, Q, K] and [P, W, Q, 1] views (row blocks of the product)
   return reduce_scatter_product(
-      group, a.sizes(), n, dim, a.options().dtype(out_dtype), reduce_op, chunks, kOp,
+      group, a.sizes(), n, dim, a.options().dtype(out_dtype), reduce_op, scaled_pieces(chunks, a.device()), kOp,
       [&](at::Tensor send, int64_t j, Piece piece, const RowLayout& layout) {
         if (columns) {
           const int64_t n_part = n / world;
