@@ -102,9 +102,13 @@ def _check_baseline(name, data, want_data):
                              f"({int((diff > tolerance).sum())} elements)")
 
 
+def _sizes_and_dtypes(ctx: Context):
+    specs = ctx.cases or (QUICK_SIZES if ctx.quick else FULL_SIZES)
+    return [parse_size(s) for s in specs], [d for d in ctx.dtypes if d in TORCH_DTYPES]
+
+
 def run_quantize(ctx: Context) -> None:
-    sizes = [parse_size(s) for s in ctx.cases] or [parse_size(s) for s in (QUICK_SIZES if ctx.quick else FULL_SIZES)]
-    dtypes = [d for d in ctx.dtypes if d in TORCH_DTYPES]
+    sizes, dtypes = _sizes_and_dtypes(ctx)
     granularities = [(g, None) for g in ref.GRANULARITIES] + [("tensorwise", "given")]
     ctx.expect(len(sizes) * len(dtypes) * len(granularities))
     compiled = torch.compile(eager_quantize, dynamic=False)
@@ -149,8 +153,7 @@ def run_quantize(ctx: Context) -> None:
 
 
 def run_amax(ctx: Context) -> None:
-    sizes = [parse_size(s) for s in ctx.cases] or [parse_size(s) for s in (QUICK_SIZES if ctx.quick else FULL_SIZES)]
-    dtypes = [d for d in ctx.dtypes if d in TORCH_DTYPES]
+    sizes, dtypes = _sizes_and_dtypes(ctx)
     ctx.expect(len(sizes) * len(dtypes))
     compiled = torch.compile(lambda t: t.abs().amax().float(), dynamic=False)
     for rows, cols in sizes:
