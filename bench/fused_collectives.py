@@ -23,7 +23,8 @@ against the unfused one (random inputs) before timing.
 
 Cases: ``--case fused_collectives=ag:2048x4096:0:384`` = op (``ag`` all_gather_matmul, ``rs``
 matmul_reduce_scatter), this rank's ``a_shard`` (ag) or ``a`` (rs) shape, the gathered / scattered dim, the
-columns of each b (several for ag: ``256,256,256``).
+columns of each b (several for ag: ``256,256,256``), and optionally the fused op's piece count (``:4``; default:
+its automatic choice), to compare piece counts case by case.
 """
 
 from __future__ import annotations
@@ -74,22 +75,28 @@ class Spec:
     shape: tuple  # this rank's a_shard (all_gather_matmul) or a (matmul_reduce_scatter)
     dim: int  # gather_dim / scatter_dim, as given (may be negative)
     ns: tuple  # columns of each b
+    chunks: int = 0  # the fused op's piece count (0: its automatic choice)
 
     def label(self):
         repeated = len(self.ns) > 1 and len(set(self.ns)) == 1
         ns = f"{len(self.ns)}x{self.ns[0]}" if repeated else ",".join(map(str, self.ns))
-        return f"{self.op} [{', '.join(map(str, self.shape))}] d{self.dim} N={ns}"
+        chunks = f" chunks={self.chunks}" if self.chunks else ""
+        return f"{self.op} [{', '.join(map(str, self.shape))}] d{self.dim} N={ns}{chunks}"
 
 
 def parse_spec(spec: str, world: int = 2) -> Spec:
     try:
-        code, shape, dim, ns = spec.split(":")
+        code, shape, dim, ns, *chunks = spec.split(":")
+        if len(chunks) > 1:
+            raise ValueError
         parsed = Spec(_OP_CODES[code], tuple(int(s) for s in shape.split("x")), int(dim),
-                      tuple(int(n) for n in ns.split(",")))
+                      tuple(int(n) for n in ns.split(",")), int(chunks[0]) if chunks else 0)
     except (KeyError, ValueError):
-        raise ValueError(f'fused_collectives case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..]", '
-                         'e.g. "ag:2048x4096:0:384"') from None
+        raise ValueError(f'fused_collectives case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:CHUNKS]", '
+                         'e.g. "ag:2048x4096:0:384" or "ag:2048x4096:0:384:4"') from None
     ndim = len(parsed.shape)
+    if parsed.chunks < 0:
+        raise ValueError(f"fused_collectives case {spec!r}: CHUNKS must be >= 0 (0: the op's automatic count)")
     if ndim < 2 or not -ndim <= parsed.dim < ndim or min(parsed.shape + parsed.ns) <= 0:
         raise ValueError(f"fused_collectives case {spec!r}: the shape needs >= 2 positive dims and dim in "
                          f"[{-ndim}, {ndim})")
@@ -202,8 +209,9 @@ class _Gather:
         if self.fp8:
             return torch.ops.fastmesh.all_gather_scaled_matmul(
                 self.a_data, self.a_scale, [d for d, _ in self.b_ops], [s for _, s in self.b_ops], self.spec.dim,
-                self.group.group_name, torch.bfloat16, False, 0)[2]
-        return fastmesh.all_gather_matmul(self.shard, self.bs, self.spec.dim, group=self.group)[1]
+                self.group.group_name, torch.bfloat16, False, self.spec.chunks)[2]
+        return fastmesh.all_gather_matmul(self.shard, self.bs, self.spec.dim, group=self.group,
+                                          chunks=self.spec.chunks or None)[1]
 
     def comm(self):
         self.all_gather(self.gathered, self.shard, group=self.group)
@@ -293,8 +301,9 @@ class _Scatter:
         if self.fp8:
             (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
             return torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-                a, a_scale, b, b_scale, self.spec.dim, "sum", self.group.group_name, torch.bfloat16, 0)
-        return fastmesh.matmul_reduce_scatter(self.a, self.b, self.spec.dim, group=self.group)
+                a, a_scale, b, b_scale, self.spec.dim, "sum", self.group.group_name, torch.bfloat16, self.spec.chunks)
+        return fastmesh.matmul_reduce_scatter(self.a, self.b, self.spec.dim, group=self.group,
+                                              chunks=self.spec.chunks or None)
 
     def matmul(self):
         if self.fp8:
@@ -403,7 +412,7 @@ def run(ctx: Context) -> None:
                                                                                        timings["p2p"])], *flops)
             details["p2p_cpu_share"] = share
         label = runner.label
-        params = {"op": spec.op, "shape": list(spec.shape), "dim": spec.dim, "ns": list(spec.ns),
+        params = {"op": spec.op, "shape": list(spec.shape), "dim": spec.dim, "ns": list(spec.ns), "chunks": spec.chunks,
                   "granularity": granularity, "world": ctx.group.size()}
         ctx.emit(Case("fused_collectives", label, dtype_name, "fastmesh", contenders, params=params,
                       extra_ratios={"comm_over_matmul": ("comm", "matmul")}, details=details))

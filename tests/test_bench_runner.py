@@ -15,7 +15,7 @@ import torch
 from fastmesh.bench import figures, fused_collectives, runner
 
 TINY_CASES = ["fp8_quantize=256x256", "amax=256x256", "fused_collectives=ag:64x128:0:32",
-              "fused_collectives=rs:2x64x32:1:64", "fused_collectives=ag:2x32x128:1:16,8",
+              "fused_collectives=rs:2x64x32:1:64", "fused_collectives=ag:2x32x128:1:16,8:2",
               "fused_collectives=ag:64x64:-1:16", "tp_block=2x64x256x256"]
 TINY = ["--repeats", "2", "--warmup", "0"]
 META_KEYS = {"date", "machine", "versions", "commit", "command", "run"}
@@ -99,6 +99,7 @@ def test_runner_every_family_on_tiny_sizes(tmp_path):
     block = {r["dtype"]: r for r in rows["tp_block"]["rows"]}
     assert {"native", "native_c", "native_c+pass", "fastmesh_c"} <= set(block["float32"]["figures"])
     assert "pass_speedup" in block["float32"]["ratios"] and "native" in block["float8"]["figures"]
+    assert sum("chunks=2" in r["case"] and r["params"]["chunks"] == 2 for r in fused) == 3  # float32, 2 x float8
     notes = " ".join(rows["fused_collectives"]["notes"])
     assert "symm_mem baseline not run" in notes and "[64, 64] d-1 N=16 float8 skipped" in notes
     # The table and the progress lines.
@@ -138,7 +139,8 @@ def test_runner_under_torchrun_uses_its_world(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--case", "fused_collectives=rs:3x64:0:64"], "must be divisible by the 2 ranks"),
-    (["--case", "fused_collectives=xx:64:0:32"], 'expected "ag|rs:DxDx..:dim:N[,N..]"'),
+    (["--case", "fused_collectives=xx:64:0:32"], 'expected "ag|rs:DxDx..:dim:N[,N..][:CHUNKS]"'),
+    (["--case", "fused_collectives=ag:64x128:0:32:-1"], "CHUNKS must be >= 0"),
     (["--case", "tp_block=2x64x200x256"], "must be positive and divisible by the 2 ranks"),
     (["--case", "fp8_quantize=100x256"], "multiples of 128"),
     (["--case", "nosuch=1"], "expected NAME=SPEC with NAME one of fp8_quantize"),
