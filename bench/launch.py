@@ -17,7 +17,6 @@ import ctypes.util
 import datetime
 import os
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
 # glibc mallopt parameters (malloc.h)
@@ -57,16 +56,8 @@ def threads_per_rank(local_ranks: int, cores: int, requested: int | None) -> tup
     return threads, None
 
 
-@dataclass(frozen=True)
-class RankSettings:
-    """What every started rank needs to know (pickled to each rank)."""
-
-    threads: int
-    device_type: str
-
-
-def launch(world: int, settings: RankSettings, entry: Callable[..., Any], *args) -> Any:
-    """Runs ``entry(settings, *args)`` on ``world`` local ranks started by torch's elastic launcher; returns rank
+def launch(world: int, threads: int, entry: Callable[..., Any], *args) -> Any:
+    """Runs ``entry(threads, *args)`` on ``world`` local ranks started by torch's elastic launcher; returns rank
     0's return value. ``entry`` must be a module-level function (ranks are spawned and receive it pickled). If a
     rank fails, the launcher stops the others and this raises its ChildFailedError (with each rank's traceback)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -78,5 +69,5 @@ def launch(world: int, settings: RankSettings, entry: Callable[..., Any], *args)
     )
     # Set before the ranks start so that their OpenMP pools start at this size (torch.set_num_threads alone
     # would leave inter-op pools at the core count).
-    os.environ["OMP_NUM_THREADS"] = str(settings.threads)
-    return elastic_launch(config, entry)(settings, *args)[0]
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    return elastic_launch(config, entry)(threads, *args)[0]

@@ -8,11 +8,11 @@ import os
 import platform
 import shlex
 import subprocess
-import sys
 
 import torch
 
 import fastmesh
+from fastmesh import info
 
 
 def cores() -> int:
@@ -36,17 +36,6 @@ def _memory_gib() -> float | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def _gpus() -> list[dict]:
-    if not torch.cuda.is_available():
-        return []
-    gpus = []
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        gpus.append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                     "capability": f"{p.major}.{p.minor}"})
-    return gpus
 
 
 def _version(package: str) -> str | None:
@@ -73,7 +62,7 @@ def git_commit() -> str:
     return head.stdout.strip() + (" (dirty)" if dirty else "")
 
 
-def describe(command: list[str] | None = None) -> dict:
+def describe(command: list[str]) -> dict:
     """The machine, versions, commit, command and time of a run."""
     memory = _memory_gib()
     return {
@@ -84,7 +73,7 @@ def describe(command: list[str] | None = None) -> dict:
             "cores": cores(),
             "memory_gib": None if memory is None else round(memory, 1),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "gpus": _gpus(),
+            "gpus": info.cuda_devices(),
             "platform": platform.platform(),
         },
         "versions": {
@@ -95,7 +84,7 @@ def describe(command: list[str] | None = None) -> dict:
             "python": platform.python_version(),
         },
         "commit": git_commit(),
-        "command": shlex.join(command if command is not None else [os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "command": shlex.join(command),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 

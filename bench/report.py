@@ -26,6 +26,12 @@ def _ratio_order(rows: list[dict]) -> list[str]:
     return names
 
 
+def _columns(rows: list[dict]) -> tuple[list[str], list[str], str | None]:
+    """A family's table columns: its contenders, its ratios, and the unit of the kernel's rate (None: no rate)."""
+    unit = next((r["figures"][r["kernel"]]["rate"]["unit"] for r in rows if "rate" in r["figures"][r["kernel"]]), None)
+    return contender_order(rows), _ratio_order(rows), unit
+
+
 def _cell(spread_: dict | None, fmt: str, iqr_fmt: str) -> str:
     if spread_ is None:
         return "-"
@@ -34,9 +40,7 @@ def _cell(spread_: dict | None, fmt: str, iqr_fmt: str) -> str:
 
 def table(family: str, rows: list[dict]) -> str:
     """A family's rows as a text table: each contender's median ms ±IQR, the kernel's rate, every ratio."""
-    contenders, ratios = contender_order(rows), _ratio_order(rows)
-    kernel_rate_unit = next((r["figures"][r["kernel"]]["rate"]["unit"] for r in rows
-                             if "rate" in r["figures"][r["kernel"]]), None)
+    contenders, ratios, kernel_rate_unit = _columns(rows)
     case_width = max(len(r["case"]) for r in rows)
     titles = [f"{name} ms" for name in contenders] + ([kernel_rate_unit] if kernel_rate_unit else []) + ratios
     widths = [max(len(t), 11) for t in titles]
@@ -55,8 +59,7 @@ def table(family: str, rows: list[dict]) -> str:
 
 def markdown(family: str, rows: list[dict]) -> str:
     """A family's rows as a markdown table of medians (ms, the kernel's rate, ratios); spreads are in the JSON."""
-    contenders, ratios = contender_order(rows), _ratio_order(rows)
-    unit = next((r["figures"][r["kernel"]]["rate"]["unit"] for r in rows if "rate" in r["figures"][r["kernel"]]), None)
+    contenders, ratios, unit = _columns(rows)
     titles = ["case", "dtype", *(f"{name} ms" for name in contenders), *([unit] if unit else []), *ratios]
     lines = [f"| {' | '.join(titles)} |", "|" + "---|" * len(titles)]
     for row in rows:

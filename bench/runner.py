@@ -124,10 +124,10 @@ def _distributed_names(plan: Plan) -> list[str]:
     return [n for n in plan.families if FAMILIES[n].distributed]
 
 
-def _rank_main(settings: launch.RankSettings, plan: Plan) -> dict | None:
+def _rank_main(threads: int, plan: Plan) -> dict | None:
     """A rank started by :func:`launch.launch`: the distributed families on the launcher's world."""
     launch.keep_freed_memory()
-    torch.set_num_threads(settings.threads)
+    torch.set_num_threads(threads)
     return _distributed_on_world(plan)
 
 
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(threads)
             results.update(_distributed_on_world(plan) or {})
         else:
-            results.update(launch.launch(world, launch.RankSettings(threads, device_type), _rank_main, plan))
+            results.update(launch.launch(world, threads, _rank_main, plan))
     if not leader:
         return 0
     ordered = {name: results[name] for name in FAMILIES if name in results}

@@ -10,17 +10,12 @@ import torch
 
 
 class WallClock:
-    """Host clock; ``sync()`` (e.g. ``torch.cuda.synchronize``) runs before a call starts and before its clock stops."""
-
-    def __init__(self, sync: Callable[[], None] = lambda: None):
-        self.sync = sync
+    """Host clock, for CPU work (which has finished when the call returns)."""
 
     def start(self):
-        self.sync()
         return time.perf_counter()
 
     def stop(self, started) -> Callable[[], float]:
-        self.sync()
         elapsed = time.perf_counter() - started
         return lambda: elapsed
 
@@ -81,7 +76,7 @@ def time_slowest_rank(candidates: dict[str, Callable], group, warmup: int, repea
 
     Every call starts together on all ranks (a barrier) and counts as long as its slowest rank: the per-rank
     lists are all-reduced with MAX once per candidate after all rounds, so that no extra collective runs between
-    timed calls. With a wall clock on CUDA, make each candidate synchronize its stream before returning.
+    timed calls.
     """
     import torch.distributed as dist
 

@@ -38,7 +38,12 @@ def _float8_api() -> types.SimpleNamespace:
     )
     from torchao.float8.float8_training_tensor import LinearMMConfig
 
-    return types.SimpleNamespace(**locals())
+    return types.SimpleNamespace(
+        torchao=torchao, Float8LinearConfig=Float8LinearConfig, ScalingGranularity=ScalingGranularity,
+        convert_to_float8_training=convert_to_float8_training, hp_tensor_to_float8_dynamic=hp_tensor_to_float8_dynamic,
+        Float8ColwiseParallel=Float8ColwiseParallel, Float8RowwiseParallel=Float8RowwiseParallel,
+        PrepareFloat8ModuleInput=PrepareFloat8ModuleInput, LinearMMConfig=LinearMMConfig,
+    )
 
 
 def status() -> tuple[bool, str]:

@@ -43,7 +43,8 @@ def _extension_report() -> dict[str, Any]:
     return {"loaded": True, "error": None, "build_info": _cpp_lib.build_info()}
 
 
-def _cuda_report() -> dict[str, Any]:
+def cuda_devices() -> list[dict[str, Any]]:
+    """Every visible CUDA device: index, name, compute capability, memory."""
     devices = []
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
@@ -56,7 +57,11 @@ def _cuda_report() -> dict[str, Any]:
                     "memory_gib": round(props.total_memory / 2**30, 1),
                 }
             )
-    return {"torch_cuda_version": torch.version.cuda, "available": torch.cuda.is_available(), "devices": devices}
+    return devices
+
+
+def _cuda_report() -> dict[str, Any]:
+    return {"torch_cuda_version": torch.version.cuda, "available": torch.cuda.is_available(), "devices": cuda_devices()}
 
 
 def _distributed_report() -> dict[str, Any]:
