@@ -1,14 +1,20 @@
 // The Python module fastmesh._C. Kernels register themselves with the dispatcher from their own files
-// (TORCH_LIBRARY_IMPL); this file only exposes what Python needs to know about the build.
+// (TORCH_LIBRARY_IMPL); this file exposes what Python needs to know about the build, the pipeline schedule,
+// and the pieces of the fused all-gather that its Python CUDA kernel (fastmesh/ops/fused_collectives.py)
+// combines.
 #include <pybind11/pybind11.h>
 
 #include <pybind11/stl.h>
+#include <torch/python.h>
 
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "fastmesh/build_info.h"  // generated at build time by fastmesh/_build_config.py
 #include "fastmesh/pipeline.h"
+#include "fused/all_gather_matmul.h"
+#include "fused/process_group.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastmesh C++/CUDA kernels (registered under torch.ops.fastmesh)";
@@ -27,4 +33,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The fused collectives' pipeline pieces (fastmesh/pipeline.h) as [(first unit, end unit)] for a shard of "
       "`units` units of `unit_bytes` bytes, with `requested` pieces (0: chosen from the size).",
       pybind11::arg("units"), pybind11::arg("unit_bytes"), pybind11::arg("requested"));
+  m.def(
+      "gather_row_pieces",
+      [](const std::vector<int64_t>& sizes, int64_t dim, int64_t element_size, int64_t requested) {
+        const fastmesh::pipeline::RowLayout layout = fastmesh::pipeline::row_layout(sizes, dim);
+        const int64_t k = sizes.back();
+        std::vector<std::pair<int64_t, int64_t>> out;
+        const int64_t count =
+            fastmesh::pipeline::choose_pieces(layout.units, layout.unit_rows * k * element_size, requested);
+        for (const auto& piece : fastmesh::pipeline::split_units(layout.units, count)) {
+          out.emplace_back(piece.unit_begin * layout.unit_rows, piece.unit_end * layout.unit_rows);
+        }
+        return out;
+      },
+      "The pipeline pieces of all_gather_matmul for a contiguous shard of `sizes` gathered along `dim` (not "
+      "the last), as [(first row, end row)] of the shard's rows (leading dims flattened): the pieces the CPU "
+      "kernel sends, with `requested` pieces (0: chosen from the size).",
+      pybind11::arg("sizes"), pybind11::arg("dim"), pybind11::arg("element_size"), pybind11::arg("requested"));
+  m.def(
+      "all_gather_matmul_pipelined",
+      [](const at::Tensor& a_shard, const std::vector<at::Tensor>& bs, int64_t gather_dim, const std::string& group_name,
+         bool return_a, int64_t chunks) {
+        return fastmesh::fused::all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, chunks);
+      },
+      "fastmesh::all_gather_matmul's device-agnostic pipeline (the CPU kernel), for the CUDA kernel's fallback.",
+      pybind11::arg("a_shard"), pybind11::arg("bs"), pybind11::arg("gather_dim"), pybind11::arg("group_name"),
+      pybind11::arg("return_a"), pybind11::arg("chunks"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def(
+      "check_same_shape_on_all_ranks",
+      [](const at::Tensor& tensor, const std::string& group_name, const std::string& op, const std::string& arg) {
+        fastmesh::fused::check_same_shape_on_all_ranks(fastmesh::fused::resolve_group(group_name, op.c_str()), tensor,
+                                                       op.c_str(), arg.c_str());
+      },
+      "The fused ops' cross-rank shape check (csrc/fused/process_group.h): on the first call per op and "
+      "argument on CPU groups, on every call with TORCH_DISTRIBUTED_DEBUG=DETAIL.",
+      pybind11::arg("tensor"), pybind11::arg("group_name"), pybind11::arg("op"), pybind11::arg("arg"),
+      pybind11::call_guard<pybind11::gil_scoped_release>());
 }

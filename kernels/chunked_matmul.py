@@ -19,14 +19,15 @@ Shapes (``chunk_starts`` splits A's rows into ``num_chunks`` contiguous chunks, 
     order          [num_chunks]  int           the order in which the chunks arrive (default
                                                0, 1, ...): a permutation of range(num_chunks)
     error          [1]  int32                  0, or 1 + the highest chunk whose wait timed out
-    c (returned)   [M, N]  a.dtype             ``out`` if given (any strides)
+    row_map        [M]  int (optional)         row r of A @ B is written to row row_map[r] of c
+    c (returned)   [M, N]  a.dtype             ``out`` if given (any strides); [R, N] with a row_map
     =============  =========================  ===============================================
 
 Tile order
 ----------
-The grid has one program per [BLOCK_M, BLOCK_N] tile of C. Program ids map to tiles in the order in
-which their A rows become readable. Programs start roughly in id order, so early programs work on the
-chunks that arrive first:
+The grid has one program per [BLOCK_M, BLOCK_N] tile of C, or ``max_programs`` programs that take
+tiles ``p, p + max_programs, ...``. Tile ids map to tiles in the order in which their A rows become
+readable. Programs start roughly in id order, so early programs work on the chunks that arrive first:
 
 1. :func:`block_schedule` sorts the M-blocks (the BLOCK_M-row stripes of A and C) by the arrival
    position (the index in ``order``) of the last-arriving chunk that their rows touch. Ties keep
@@ -40,15 +41,16 @@ chunks that arrive first:
 Concretely, the schedule is an int32 ``[num_blocks_m, 5]`` table. Row ``s`` (a slot in arrival order)
 holds ``(m_block, group_start, group_size, first_chunk, last_chunk)``. ``group_start`` and
 ``group_size`` describe the group that contains slot ``s``. The chunks are those the stripe's rows
-touch. Program ``pid`` reads row ``pid // num_blocks_n``, which lies inside its group, then::
+touch. Tile ``t`` reads row ``t // num_blocks_n``, which lies inside its group, then::
 
-    local = pid - group_start * num_blocks_n
+    local = t - group_start * num_blocks_n
     slot  = group_start + local % group_size        ->  m_block = schedule[slot, 0]
     n_block = local // group_size
 
 The table depends only on ``chunk_starts``, ``order``, ``M`` and the block sizes, not on N or K. The
 launcher computes it on the host from the host values of ``chunk_starts`` and ``order``. It caches the
-table as a device tensor, keyed by those values.
+table as a device tensor, keyed by those values, in a :class:`ChunkPlan` (with the chunk starts and the
+row map); :func:`launch_chunked_matmul` launches a prepared plan with no host-to-device copy.
 
 Waiting, and what happens when a chunk is lost
 ----------------------------------------------
@@ -67,18 +69,22 @@ passes a persistent zero-initialized ``error`` and checks it later with :func:`c
 the caller resets it. ``chunked_matmul(..., check=True)`` syncs and raises at once. ``check``
 defaults to True when no ``error`` is passed, because otherwise nobody could ever see a timeout.
 
-Why the flags must not be written by an SM kernel
--------------------------------------------------
+Who may write the flags: the producer must never be starved of SMs
+------------------------------------------------------------------
 A waiting program holds its SM slot while it spins. If the consumer grid is at least as large as the
-GPU's resident capacity, waiting programs can occupy every SM. A producer that sets a flag from an SM
-kernel (a tiny "signal" kernel, or a copy kernel) might then never be scheduled, and the consumer
-would wait on it forever: a deadlock, or here a timeout. So the producer must move the data and
-write the flags without SMs. Candidates are copy-engine transfers (``cudaMemcpyAsync``: NCCL's
-copy-engine path, ``copy_`` between contiguous tensors; that the driver runs a same-device copy on a
-copy engine is the usual behaviour, not verified on hardware here) and stream memory operations
-(``cuStreamWriteValue32``, which PyTorch's own async-TP uses through
-``_SymmetricMemory.stream_write_value32``). The consumer itself never waits on anything that needs an
-SM.
+GPU's resident capacity, waiting programs can occupy every SM. A producer that needs an SM (NCCL's
+kernels, a flag-setting kernel, a copy kernel) might then never be scheduled, and the consumer would
+wait on it forever: a deadlock, or here a timeout. Two ways out:
+
+* a producer that needs no SM: copy-engine transfers (``cudaMemcpyAsync``; that the driver runs a
+  same-device copy on a copy engine is the usual behaviour, not verified on hardware here) and stream
+  memory operations (``cuStreamWriteValue32``, which PyTorch's own async-TP uses through
+  ``_SymmetricMemory.stream_write_value32``);
+* a capped grid (``max_programs`` below the SM count, as ``fastmesh/ops/chunked_gather.py`` launches it
+  next to NCCL): each program then computes several tiles in arrival order, and the SMs that no consumer
+  program holds stay free for the producer's kernels.
+
+The consumer itself never waits on anything that needs an SM.
 
 Memory ordering
 ---------------
@@ -121,13 +127,16 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "ChunkPlan",
     "ChunkWaitTimeout",
     "MatmulConfig",
     "DEFAULT_MAX_SPINS",
     "block_schedule",
     "check_chunk_wait",
+    "chunk_plan",
     "chunked_matmul",
     "default_config",
+    "launch_chunked_matmul",
     "loopback_chunked_matmul",
 ]
 
@@ -170,10 +179,13 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.group_m must be >= 1, got {self.group_m}")
 
 
-def default_config(dtype: torch.dtype, interpreted: bool = False) -> MatmulConfig:
+def default_config(dtype: torch.dtype, interpreted: bool | None = None) -> MatmulConfig:
     """Fixed tiles, no autotuning. These are the usual Hopper (H100/H200) choices for a
-    tensor-core GEMM; they have not been tuned on this kernel yet. Under the interpreter, 16-wide
-    tiles keep small test matrices cheap and put chunk boundaries inside tiles."""
+    tensor-core GEMM; they have not been tuned on this kernel yet. Under the interpreter (default:
+    whether this process interprets the kernel), 16-wide tiles keep small test matrices cheap and
+    put chunk boundaries inside tiles."""
+    if interpreted is None:
+        interpreted = _is_interpreted()
     if interpreted:
         return MatmulConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
     if dtype == torch.float32:
@@ -209,68 +221,74 @@ def _to_output(acc, dtype: tl.constexpr):
 
 @triton.jit
 def _chunked_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, flags_ptr, starts_ptr, schedule_ptr, error_ptr,
+    a_ptr, b_ptr, c_ptr, flags_ptr, starts_ptr, schedule_ptr, error_ptr, row_map_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    num_blocks_n, expected, max_spins,
+    num_blocks_n, num_tiles, expected, max_spins,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr, HAS_ROW_MAP: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of C = A @ B, after the A chunks of its rows have landed.
+    """[BLOCK_M, BLOCK_N] tiles of C = A @ B, each after the A chunks of its rows have landed.
 
-    schedule: int32 [num_blocks_m, 5] (see the module docstring for the pid -> tile mapping).
-    starts: int32 [num_chunks + 1] chunk row offsets (empty chunks are not waited for).
+    Program p computes tiles p, p + num_programs, ... in schedule order (one tile each when the grid
+    covers every tile). schedule: int32 [num_blocks_m, 5] (see the module docstring for the
+    tile -> block mapping). starts: int32 [num_chunks + 1] chunk row offsets (empty chunks are not
+    waited for). row_map (HAS_ROW_MAP): int32 [M], the row of C that each row of A produces.
     """
-    pid = tl.program_id(0)
-    row = schedule_ptr + (pid // num_blocks_n) * 5
-    group_start = tl.load(row + 1)
-    group_size = tl.load(row + 2)
-    local = pid - group_start * num_blocks_n
-    slot = schedule_ptr + (group_start + local % group_size) * 5
-    m_block = tl.load(slot)
-    n_block = local // group_size
-    chunk = tl.load(slot + 3)
-    last_chunk = tl.load(slot + 4)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        row = schedule_ptr + (tile // num_blocks_n) * 5
+        group_start = tl.load(row + 1)
+        group_size = tl.load(row + 2)
+        local = tile - group_start * num_blocks_n
+        slot = schedule_ptr + (group_start + local % group_size) * 5
+        m_block = tl.load(slot)
+        n_block = local // group_size
+        chunk = tl.load(slot + 3)
+        last_chunk = tl.load(slot + 4)
 
-    # Wait for every chunk the tile's rows touch. `failed` is 1 + the chunk whose wait timed out.
-    failed = 0
-    while (chunk <= last_chunk) & (failed == 0):
-        if tl.load(starts_ptr + chunk + 1) > tl.load(starts_ptr + chunk):
-            # Acquire: the A loads below cannot be performed before this read (module docstring).
-            flag = tl.atomic_add(flags_ptr + chunk, 0, sem="acquire", scope="sys")
-            spins = 0
-            while (flag < expected) & (spins < max_spins):
+        # Wait for every chunk the tile's rows touch. `failed` is 1 + the chunk whose wait timed out.
+        failed = 0
+        while (chunk <= last_chunk) & (failed == 0):
+            if tl.load(starts_ptr + chunk + 1) > tl.load(starts_ptr + chunk):
+                # Acquire: the A loads below cannot be performed before this read (module docstring).
                 flag = tl.atomic_add(flags_ptr + chunk, 0, sem="acquire", scope="sys")
-                spins += 1
-            if flag < expected:
-                failed = chunk + 1
-        chunk += 1
+                spins = 0
+                while (flag < expected) & (spins < max_spins):
+                    flag = tl.atomic_add(flags_ptr + chunk, 0, sem="acquire", scope="sys")
+                    spins += 1
+                if flag < expected:
+                    failed = chunk + 1
+            chunk += 1
 
-    if failed != 0:
-        # Give up on this tile: record the chunk and leave C's tile unwritten.
-        tl.atomic_max(error_ptr, failed)
-    else:
-        rows = m_block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = n_block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        row_ok = rows < M
-        col_ok = cols < N
-        a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
-        b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = ks < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if WIDEN_BF16:
-                a = _widen_bf16(a)
-                b = _widen_bf16(b)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        c = _to_output(acc, c_ptr.dtype.element_ty)
-        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, c,
-                 mask=row_ok[:, None] & col_ok[None, :])
+        if failed != 0:
+            # Give up on this tile: record the chunk and leave C's tile unwritten.
+            tl.atomic_max(error_ptr, failed)
+        else:
+            rows = m_block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = n_block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            row_ok = rows < M
+            col_ok = cols < N
+            a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+            b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = ks < K - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                if WIDEN_BF16:
+                    a = _widen_bf16(a)
+                    b = _widen_bf16(b)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            c = _to_output(acc, c_ptr.dtype.element_ty)
+            if HAS_ROW_MAP:
+                out_rows = tl.load(row_map_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            else:
+                out_rows = rows
+            tl.store(c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, c,
+                     mask=row_ok[:, None] & col_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,13 +385,68 @@ def _schedule_rows(starts: tuple[int, ...], order: tuple[int, ...], block_m: int
     return rows
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ChunkPlan:
+    """The device tables of one chunk layout: everything the kernel reads besides the operands.
+
+    Made by :func:`chunk_plan`, which checks the host values once and caches the plan. A caller that
+    launches the same layout every step (the fused all-gather) keeps the plan and calls
+    :func:`launch_chunked_matmul`, which copies nothing to the device.
+    """
+
+    m: int  # rows of A
+    out_rows: int  # rows of C: m, or what row_map maps into
+    num_chunks: int
+    config: MatmulConfig
+    device: torch.device
+    schedule: torch.Tensor  # int32 [cdiv(m, block_m), 5]
+    starts: torch.Tensor  # int32 [num_chunks + 1]
+    row_map: torch.Tensor | None  # int32 [m]
+
+
+def chunk_plan(chunk_starts, order=None, *, config: MatmulConfig, device, row_map=None,
+               out_rows: int | None = None) -> ChunkPlan:
+    """Check a chunk layout and build (or fetch from the cache) its :class:`ChunkPlan` on ``device``.
+
+    Args:
+        chunk_starts, order: as for :func:`chunked_matmul` (tensors on any device, or ints).
+        config: the tile sizes the plan is for.
+        device: where the kernel runs.
+        row_map: None (row ``r`` of A gives row ``r`` of C), or M distinct ints in ``[0, out_rows)``
+            (a tensor or ints): row ``r`` of A gives row ``row_map[r]`` of C. The fused all-gather
+            receives rows in arrival order and writes them where the gathered layout puts them.
+        out_rows: the rows of C (default M).
+    """
+    starts = _host_ints("chunk_starts", chunk_starts)
+    _check_starts(starts, starts[-1] if starts else 0)
+    order = _check_order(_host_ints("order", order, allow_none=True), len(starts) - 1)
+    m = starts[-1]
+    out_rows = m if out_rows is None else out_rows
+    if not isinstance(out_rows, int) or isinstance(out_rows, bool) or not 0 <= out_rows <= _INT32_MAX:
+        raise ValueError(f"out_rows must be an int in [0, 2**31 - 1], got {out_rows!r}")
+    mapped = _host_ints("row_map", row_map, allow_none=True)
+    if mapped is None:
+        if out_rows != m:
+            raise ValueError(f"out_rows ({out_rows}) must equal M = {m} without a row_map")
+    else:
+        if len(mapped) != m:
+            raise ValueError(f"row_map must hold one row of C per row of A (M = {m}), got {len(mapped)}")
+        if any(not 0 <= r < out_rows for r in mapped) or len(set(mapped)) != m:
+            raise ValueError(f"row_map must hold distinct rows in [0, out_rows = {out_rows}) (two rows of A must not "
+                             "write the same row of C)")
+    return _cached_plan(starts, order, mapped, out_rows, config, torch.device(device))
+
+
 @functools.lru_cache(maxsize=64)
-def _device_schedule(starts: tuple[int, ...], order: tuple[int, ...], block_m: int, group_m: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(schedule, starts as int32) on ``device``, cached: a steady-state call copies nothing."""
-    rows = _schedule_rows(starts, order, block_m, group_m)
-    schedule = torch.tensor(rows, dtype=torch.int32).view(-1, _SCHEDULE_COLUMNS).to(device)
-    return schedule, torch.tensor(starts, dtype=torch.int32).to(device)
+def _cached_plan(starts: tuple[int, ...], order: tuple[int, ...], row_map: tuple[int, ...] | None, out_rows: int,
+                 config: MatmulConfig, device: torch.device) -> ChunkPlan:
+    rows = _schedule_rows(starts, order, config.block_m, config.group_m)
+    return ChunkPlan(
+        m=starts[-1], out_rows=out_rows, num_chunks=len(starts) - 1, config=config, device=device,
+        schedule=torch.tensor(rows, dtype=torch.int32).view(-1, _SCHEDULE_COLUMNS).to(device),
+        starts=torch.tensor(starts, dtype=torch.int32).to(device),
+        row_map=None if row_map is None else torch.tensor(row_map, dtype=torch.int32).to(device),
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -382,7 +455,9 @@ def _device_schedule(starts: tuple[int, ...], order: tuple[int, ...], block_m: i
 
 
 def _is_interpreted() -> bool:
-    return isinstance(_chunked_matmul_kernel, triton.runtime.interpreter.InterpretedFunction)
+    from triton.runtime import interpreter  # not imported by `import triton` unless TRITON_INTERPRET=1
+
+    return isinstance(_chunked_matmul_kernel, interpreter.InterpretedFunction)
 
 
 def check_chunk_wait(error: torch.Tensor) -> None:
@@ -405,57 +480,29 @@ def _check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None
         raise ValueError(f"{name} must be on a's device {device}, got {t.device}")
 
 
-def chunked_matmul(
+def _check_bound(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= _INT32_MAX:
+        raise ValueError(f"{name} must be an int in [{low}, 2**31 - 1], got {value!r}")
+
+
+def launch_chunked_matmul(
+    plan: ChunkPlan,
     a: torch.Tensor,
     b: torch.Tensor,
+    out: torch.Tensor,
     flags: torch.Tensor,
-    chunk_starts,
+    error: torch.Tensor,
     *,
     expected: int = 1,
-    order=None,
-    out: torch.Tensor | None = None,
     max_spins: int = DEFAULT_MAX_SPINS,
-    error: torch.Tensor | None = None,
-    check: bool | None = None,
+    max_programs: int | None = None,
     input_precision: str = "ieee",
-    config: MatmulConfig | None = None,
     wrap: Callable | None = None,
 ) -> torch.Tensor:
-    """``a @ b``, reading each chunk of a's rows only after its flag reaches ``expected``.
-
-    Equivalent, once all flags are set, to ``torch.mm(a, b)`` (fp32 accumulation, one rounding to
-    a.dtype). Shapes are in the module docstring's table.
-
-    Args:
-        a: ``[M, K]`` float32 / bfloat16 / float16, any strides; its rows arrive in chunks.
-        b: ``[K, N]``, a's dtype and device, any strides.
-        flags: int32 ``[num_chunks]`` on a's device. Chunk ``c`` is readable once
-            ``flags[c] >= expected``. Written by a copy engine or a stream memory operation, never
-            by an SM kernel (module docstring).
-        chunk_starts: ``num_chunks + 1`` non-decreasing row offsets from 0 to M: an int32/int64
-            tensor or a sequence of ints. A CPU tensor or ints cost no sync. A CUDA tensor is read
-            back, with a device sync. The derived schedule is cached on the device. The first call
-            for a new layout copies it there, so make that call before any CUDA-graph capture.
-        expected: the epoch, an int in ``[1, 2**31 - 1]``. Flags below it are stale.
-        order: arrival order of the chunks (tensor or ints; default ``0..num_chunks-1``). Tiles are
-            scheduled in this order.
-        out: ``[M, N]`` output in a's dtype and device (any strides). Allocated if None.
-        max_spins: the flag reads a program makes past its first before it gives up on a chunk.
-        error: int32, one element, on a's device. On a timeout the kernel does
-            ``atomic_max(error, chunk + 1)``. Give a persistent zero tensor and read it later with
-            :func:`check_chunk_wait` to keep the hot path free of syncs.
-        check: sync and raise :class:`ChunkWaitTimeout` if a wait timed out. Defaults to
-            ``error is None`` (a private error word could not be inspected otherwise).
-        input_precision: for float32 inputs, ``"ieee"`` (full fp32 products, like torch's default
-            matmul) or ``"tf32"`` (tensor cores). 16-bit inputs always use their tensor-core dot.
-        config: tile sizes (:func:`default_config` if None).
-        wrap: applied to the kernel before launch (``torch.library.wrap_triton`` in a triton_op).
-
-    Returns:
-        ``out``: ``[M, N]`` in a's dtype. If a wait timed out, the tiles reading that chunk are
-        left as they were.
-    """
-    for name, t in (("a", a), ("b", b), ("flags", flags)):
+    """Launch the kernel for a prepared layout: ``out[row_map] = a @ b`` as chunks land. No sync, no
+    host-to-device copy. The arguments are those of :func:`chunked_matmul`; ``out`` and ``error`` are
+    required, ``out`` has ``plan.out_rows`` rows."""
+    for name, t in (("a", a), ("b", b), ("out", out), ("flags", flags), ("error", error)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if a.dim() != 2:
@@ -468,57 +515,134 @@ def chunked_matmul(
         raise TypeError(f"b must have a's dtype {a.dtype}, got {b.dtype}")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"a [M, K] and b [K, N] disagree on K: a is {list(a.shape)}, b is {list(b.shape)}")
+    if a.shape[0] != plan.m:
+        raise ValueError(f"a has {a.shape[0]} rows but the chunk layout covers M = {plan.m}")
     device = a.device
-    _check_same_device("b", b, device)
+    if plan.device != device:
+        raise ValueError(f"the chunk plan was made for {plan.device}, but a is on {device}")
     m, k = a.shape
     n = b.shape[1]
-
-    starts = _host_ints("chunk_starts", chunk_starts)
-    _check_starts(starts, m)
-    num_chunks = len(starts) - 1
-    order_values = _check_order(_host_ints("order", order, allow_none=True), num_chunks)
-
-    if flags.dtype != torch.int32 or tuple(flags.shape) != (num_chunks,):
-        raise ValueError(f"flags must be an int32 tensor with one flag per chunk, shape [{num_chunks}] "
-                         f"(num_chunks = {num_chunks}), got {flags.dtype} of shape {list(flags.shape)}")
-    _check_same_device("flags", flags, device)
-    if not isinstance(expected, int) or isinstance(expected, bool) or not 1 <= expected <= _INT32_MAX:
-        raise ValueError(f"expected must be an int in [1, 2**31 - 1], got {expected!r}")
-    if not isinstance(max_spins, int) or isinstance(max_spins, bool) or not 0 <= max_spins <= _INT32_MAX:
-        raise ValueError(f"max_spins must be an int in [0, 2**31 - 1], got {max_spins!r}")
+    if tuple(out.shape) != (plan.out_rows, n) or out.dtype != a.dtype:
+        raise ValueError(f"out must be [rows, N] = [{plan.out_rows}, {n}] of dtype {a.dtype}, got {list(out.shape)} of "
+                         f"{out.dtype}")
+    if flags.dtype != torch.int32 or tuple(flags.shape) != (plan.num_chunks,):
+        raise ValueError(f"flags must be an int32 tensor with one flag per chunk, shape [{plan.num_chunks}] "
+                         f"(num_chunks = {plan.num_chunks}), got {flags.dtype} of shape {list(flags.shape)}")
+    if error.dtype != torch.int32 or error.numel() != 1:
+        raise ValueError(f"error must be an int32 tensor of one element, got {error.dtype} of shape {list(error.shape)}")
+    for name, t in (("b", b), ("out", out), ("flags", flags), ("error", error)):
+        _check_same_device(name, t, device)
+    _check_bound("expected", expected, 1)
+    _check_bound("max_spins", max_spins, 0)
+    if max_programs is not None:
+        _check_bound("max_programs", max_programs, 1)
     if input_precision not in ("ieee", "tf32"):
         raise ValueError(f"input_precision must be 'ieee' or 'tf32', got {input_precision!r}")
+    if m == 0 or n == 0:
+        return out
+    config = plan.config
+    num_blocks_n = _cdiv(n, config.block_n)
+    num_tiles = plan.schedule.shape[0] * num_blocks_n
+    programs = num_tiles if max_programs is None else min(num_tiles, max_programs)
+    kernel = _chunked_matmul_kernel if wrap is None else wrap(_chunked_matmul_kernel)
+    kernel[(programs,)](
+        a, b, out, flags, plan.starts, plan.schedule, error,
+        plan.row_map if plan.row_map is not None else plan.starts,  # not read without a row map
+        m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        num_blocks_n, num_tiles, expected, max_spins,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        INPUT_PRECISION=input_precision if a.dtype == torch.float32 else None,
+        WIDEN_BF16=_is_interpreted() and a.dtype == torch.bfloat16,
+        HAS_ROW_MAP=plan.row_map is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def chunked_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    flags: torch.Tensor,
+    chunk_starts,
+    *,
+    expected: int = 1,
+    order=None,
+    out: torch.Tensor | None = None,
+    row_map=None,
+    max_spins: int = DEFAULT_MAX_SPINS,
+    max_programs: int | None = None,
+    error: torch.Tensor | None = None,
+    check: bool | None = None,
+    input_precision: str = "ieee",
+    config: MatmulConfig | None = None,
+    wrap: Callable | None = None,
+) -> torch.Tensor:
+    """``a @ b``, reading each chunk of a's rows only after its flag reaches ``expected``.
+
+    Equivalent, once all flags are set, to ``torch.mm(a, b)`` (fp32 accumulation, one rounding to
+    a.dtype), or with a ``row_map`` to ``out[row_map] = torch.mm(a, b)``. Shapes are in the module
+    docstring's table.
+
+    Args:
+        a: ``[M, K]`` float32 / bfloat16 / float16, any strides; its rows arrive in chunks.
+        b: ``[K, N]``, a's dtype and device, any strides.
+        flags: int32 ``[num_chunks]`` on a's device. Chunk ``c`` is readable once
+            ``flags[c] >= expected``. Written by a copy engine or a stream memory operation, or by a
+            kernel that cannot be starved of SMs (module docstring).
+        chunk_starts: ``num_chunks + 1`` non-decreasing row offsets from 0 to M: an int32/int64
+            tensor or a sequence of ints. A CPU tensor or ints cost no sync. A CUDA tensor is read
+            back, with a device sync. The derived tables are cached on the device (:func:`chunk_plan`).
+            The first call for a new layout copies them there, so make that call before any CUDA-graph
+            capture.
+        expected: the epoch, an int in ``[1, 2**31 - 1]``. Flags below it are stale.
+        order: arrival order of the chunks (tensor or ints; default ``0..num_chunks-1``). Tiles are
+            scheduled in this order.
+        out: the output in a's dtype and device (any strides): ``[M, N]``, or ``[R, N]`` with a
+            ``row_map`` into R rows. Allocated (``[M, N]``) if None.
+        row_map: None, or M distinct ints (tensor or ints, host values as for ``chunk_starts``) in
+            ``[0, out.shape[0])``: row ``r`` of ``a @ b`` is written to ``out[row_map[r]]``.
+        max_spins: the flag reads a program makes past its first before it gives up on a chunk.
+        max_programs: None (one program per tile), or a cap on the grid: each program then computes
+            tiles ``p, p + max_programs, ...`` in arrival order. A capped grid leaves SMs free for a
+            producer that runs on SMs (module docstring).
+        error: int32, one element, on a's device. On a timeout the kernel does
+            ``atomic_max(error, chunk + 1)``. Give a persistent zero tensor and read it later with
+            :func:`check_chunk_wait` to keep the hot path free of syncs.
+        check: sync and raise :class:`ChunkWaitTimeout` if a wait timed out. Defaults to
+            ``error is None`` (a private error word could not be inspected otherwise).
+        input_precision: for float32 inputs, ``"ieee"`` (full fp32 products, like torch's default
+            matmul) or ``"tf32"`` (tensor cores). 16-bit inputs always use their tensor-core dot.
+        config: tile sizes (:func:`default_config` if None).
+        wrap: applied to the kernel before launch (``torch.library.wrap_triton`` in a triton_op).
+
+    Returns:
+        ``out``. If a wait timed out, the tiles reading that chunk are left as they were.
+    """
+    for name, t in (("a", a), ("b", b), ("flags", flags)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dim() != 2:
+        raise ValueError(f"a must be 2-D [M, K], got shape {list(a.shape)}")
+    if b.dim() != 2:
+        raise ValueError(f"b must be 2-D [K, N], got shape {list(b.shape)}")
+    starts = _host_ints("chunk_starts", chunk_starts)
+    _check_starts(starts, a.shape[0])
     if out is None:
-        out = torch.empty((m, n), dtype=a.dtype, device=device)
-    else:
-        if tuple(out.shape) != (m, n) or out.dtype != a.dtype:
-            raise ValueError(f"out must be [M, N] = [{m}, {n}] of dtype {a.dtype}, got {list(out.shape)} of {out.dtype}")
-        _check_same_device("out", out, device)
+        if row_map is not None:
+            raise ValueError("out must be given with a row_map (the rows it maps into)")
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    elif not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise ValueError(f"out must be a 2-D tensor, got {out if not isinstance(out, torch.Tensor) else list(out.shape)}")
     if check is None:
         check = error is None
     if error is None:
-        error = torch.zeros(1, dtype=torch.int32, device=device)
-    elif error.dtype != torch.int32 or error.numel() != 1:
-        raise ValueError(f"error must be an int32 tensor of one element, got {error.dtype} of shape {list(error.shape)}")
-    else:
-        _check_same_device("error", error, device)
-
-    interpreted = _is_interpreted()
-    config = config or default_config(a.dtype, interpreted)
-    if m > 0 and n > 0:
-        schedule, starts_dev = _device_schedule(starts, order_values, config.block_m, config.group_m, device)
-        num_blocks_n = _cdiv(n, config.block_n)
-        kernel = _chunked_matmul_kernel if wrap is None else wrap(_chunked_matmul_kernel)
-        kernel[(schedule.shape[0] * num_blocks_n,)](
-            a, b, out, flags, starts_dev, schedule, error,
-            m, n, k,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            num_blocks_n, expected, max_spins,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            INPUT_PRECISION=input_precision if a.dtype == torch.float32 else None,
-            WIDEN_BF16=interpreted and a.dtype == torch.bfloat16,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        error = torch.zeros(1, dtype=torch.int32, device=a.device)
+    config = config or default_config(a.dtype)
+    plan = chunk_plan(starts, order, config=config, device=a.device, row_map=row_map,
+                      out_rows=out.shape[0] if row_map is not None else None)
+    launch_chunked_matmul(plan, a, b, out, flags, error, expected=expected, max_spins=max_spins,
+                          max_programs=max_programs, input_precision=input_precision, wrap=wrap)
     if check:
         check_chunk_wait(error)
     return out

@@ -221,8 +221,18 @@ def test_rejects_bad_arguments():
         (ValueError, r"expected must be an int in \[1, 2\*\*31 - 1\], got 2147483648", dict(expected=2**31)),
         (ValueError, r"max_spins must be an int in \[0, 2\*\*31 - 1\], got -1", dict(max_spins=-1)),
         (ValueError, r"input_precision must be 'ieee' or 'tf32', got 'bf16x3'", dict(input_precision="bf16x3")),
-        (ValueError, r"out must be \[M, N\] = \[10, 3\] of dtype torch.float32, got \[3, 10\] of torch.float32",
+        (ValueError, r"out must be \[rows, N\] = \[10, 3\] of dtype torch.float32, got \[3, 10\] of torch.float32",
          dict(out=torch.empty(3, 10))),
+        (ValueError, r"out must be given with a row_map", dict(row_map=list(range(10)))),
+        (ValueError, r"row_map must hold one row of C per row of A \(M = 10\), got 9",
+         dict(row_map=list(range(9)), out=torch.empty(12, 3))),
+        (ValueError, r"row_map must hold distinct rows in \[0, out_rows = 12\)",
+         dict(row_map=[0] * 10, out=torch.empty(12, 3))),
+        (ValueError, r"row_map must hold distinct rows in \[0, out_rows = 12\)",
+         dict(row_map=list(range(3, 13)), out=torch.empty(12, 3))),
+        (TypeError, r"row_map must be int32 or int64, got torch.float32",
+         dict(row_map=torch.arange(10.0), out=torch.empty(12, 3))),
+        (ValueError, r"max_programs must be an int in \[1, 2\*\*31 - 1\], got 0", dict(max_programs=0)),
         (ValueError, r"error must be an int32 tensor of one element, got torch.int32 of shape \[2\]",
          dict(error=torch.zeros(2, dtype=torch.int32))),
     ]
@@ -232,6 +242,25 @@ def test_rejects_bad_arguments():
             cm.chunked_matmul(kwargs.pop("a"), kwargs.pop("b"), kwargs.pop("flags"), kwargs.pop("chunk_starts"), **kwargs)
     with pytest.raises(ValueError, match=r"MatmulConfig.block_k must be a power of two >= 16 \(tl.dot\), got 24"):
         cm.MatmulConfig(16, 16, 24)
+
+
+def test_launch_checks_the_plan():
+    """A prepared plan is launched only on the rows and the device it was made for."""
+    cm = module()
+    config = cm.default_config(torch.float32, interpreted=True)
+    plan = cm.chunk_plan([0, 4, 10], config=config, device="cpu", row_map=list(range(10, 0, -1)), out_rows=11)
+    assert (plan.m, plan.out_rows, plan.num_chunks) == (10, 11, 2)
+    assert plan.row_map.tolist() == list(range(10, 0, -1)) and plan.starts.tolist() == [0, 4, 10]
+    assert cm.chunk_plan([0, 4, 10], config=config, device="cpu", row_map=list(range(10, 0, -1)), out_rows=11) is plan
+    flags, error = torch.ones(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"a has 9 rows but the chunk layout covers M = 10"):
+        cm.launch_chunked_matmul(plan, torch.ones(9, 4), torch.ones(4, 3), torch.empty(11, 3), flags, error)
+    with pytest.raises(ValueError, match=r"out must be \[rows, N\] = \[11, 3\]"):
+        cm.launch_chunked_matmul(plan, torch.ones(10, 4), torch.ones(4, 3), torch.empty(10, 3), flags, error)
+    with pytest.raises(ValueError, match=r"the chunk plan was made for cpu, but a is on meta"):
+        cm.launch_chunked_matmul(plan, torch.ones(10, 4, device="meta"), torch.ones(4, 3), torch.empty(11, 3), flags, error)
+    with pytest.raises(ValueError, match=r"out_rows \(11\) must equal M = 10 without a row_map"):
+        cm.chunk_plan([0, 4, 10], config=config, device="cpu", out_rows=11)
 
 
 def test_loopback_rejects_non_cuda_tensors():
@@ -273,12 +302,13 @@ def test_kernel_compiles_for_hopper():
         pytest.skip("this triton has no NVIDIA backend")
     cm = module()
     kernel = cm._chunked_matmul_kernel
+    # The contiguous bf16 case also writes through a row map (the fused all-gather's layout).
     for dtype, torch_dtype, precision, contiguous in [("*bf16", torch.bfloat16, None, True),
                                                       ("*fp32", torch.float32, "ieee", False)]:
         config = cm.default_config(torch_dtype)
         signature, constants, attrs = _signature(kernel, dtype, contiguous)
         constants |= dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                          INPUT_PRECISION=precision, WIDEN_BF16=False)
+                          INPUT_PRECISION=precision, WIDEN_BF16=False, HAS_ROW_MAP=contiguous)
         source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
@@ -379,6 +409,42 @@ def test_strided_operands():
     assert got.stride() == (1, m)
     sliced = wide[:, ::2]
     assert_bitwise_equal(cm.chunked_matmul(a_t.t(), sliced, flags, starts), exact_product(a_t.t(), sliced), "b[:, ::2]")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("max_programs", [None, 1, 3, 1000])
+def test_row_map_and_capped_grid(max_programs):
+    """out[row_map] = a @ b: every mapped row exact, the rows nothing maps to untouched; a grid capped
+    below the tile count computes every tile (each program several, in arrival order)."""
+    cm = interpreted_module()
+    m, k, n, out_rows = 70, 12, 37, 90
+    a = small_ints((m, k), torch.bfloat16, seed=20)
+    b = small_ints((k, n), torch.bfloat16, seed=21)
+    row_map = torch.randperm(out_rows, generator=torch.Generator().manual_seed(22))[:m]
+    out = torch.full((out_rows, n), NAN, dtype=torch.bfloat16)
+    cm.chunked_matmul(a, b, torch.ones(4, dtype=torch.int32), [0, 10, 37, 50, 70], order=[2, 0, 3, 1], out=out,
+                      row_map=row_map, max_programs=max_programs)
+    expected = torch.full((out_rows, n), NAN, dtype=torch.bfloat16)
+    expected[row_map] = exact_product(a, b)
+    assert_bitwise_equal(out, expected, f"row map, max_programs {max_programs}")
+
+
+@needs_interpreter
+def test_capped_grid_skips_only_lost_tiles():
+    """With a capped grid, a program that gives up on one tile still computes its later tiles."""
+    cm = interpreted_module()
+    m, k, n = 83, 10, 18
+    starts = [0, 3, 19, 40, 41, 83]
+    a = small_ints((m, k), torch.float32, seed=23)
+    b = small_ints((k, n), torch.float32, seed=24)
+    flags = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int32)
+    out = torch.full((m, n), NAN)
+    error = torch.zeros(1, dtype=torch.int32)
+    cm.chunked_matmul(a, b, flags, starts, out=out, error=error, max_spins=2, max_programs=2)
+    assert error.tolist() == [2]
+    untouched = untouched_rows(starts, [1], BLOCK_M, m)
+    assert bool(out[untouched].isnan().all())
+    assert_bitwise_equal(out[~untouched], exact_product(a, b)[~untouched], "capped grid, lost chunk 1")
 
 
 @needs_interpreter

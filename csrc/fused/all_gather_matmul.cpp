@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "all_gather_matmul.h"
 #include "checks.h"
 #include "register.h"
 #include "gather_pipeline.h"
@@ -65,6 +66,8 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
     }
   }
 }
+
+}  // namespace
 
 std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul(
     const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim, c10::string_view group_name, bool return_a,
@@ -123,8 +126,7 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
   return {a_full, outs};
 }
 
-}  // namespace
 }  // namespace fused
 }  // namespace fastmesh
 
-FASTMESH_FUSED_KERNEL("all_gather_matmul", fastmesh::fused::all_gather_matmul)
+FASTMESH_FUSED_CPU_KERNEL("all_gather_matmul", fastmesh::fused::all_gather_matmul)

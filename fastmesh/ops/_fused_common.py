@@ -13,33 +13,39 @@ logger = logging.getLogger("fastmesh.ops")
 
 REDUCE_OPS = ("sum", "avg")
 
-# What each device runs, said once per op and device. (On CUDA the Triton chunk-waiting GEMM of
-# fastmesh.kernels.chunked_matmul exists but needs a transport that signals per chunk without SMs; until
-# that is wired in, CUDA runs the pipelined decomposition.)
+# What each device runs, said once per op and path. On CUDA, all_gather_matmul's kernel picks between the
+# Triton consumer GEMM and the pipelined decomposition, and logs its own choice.
 _PATHS = {
     "cpu": "the pipelined C++ kernel: each piece's collective (gloo) runs while the previous piece is multiplied",
     "cuda": "the pipelined decomposition: per-piece collectives on the backend's stream (NCCL), each multiply "
     "waiting for its piece on the current stream",
 }
-_logged: set[tuple[str, str]] = set()
+_logged: set[tuple[str, str, str]] = set()
 
 
-def log_path_once(op: str, device: torch.device) -> None:
-    key = (op, device.type)
+def log_path_once(op: str, device: torch.device, path: str | None = None) -> None:
+    """Log (INFO, logger ``fastmesh.ops``) which implementation ``op`` runs on ``device``: ``path``, or the
+    device's pipelined kernel. Once per op, device type and path."""
+    path = path or _PATHS.get(device.type, "the pipelined C++ kernel over the group's backend")
+    key = (op, device.type, path)
     if key not in _logged:
         _logged.add(key)
-        path = _PATHS.get(device.type, "the pipelined C++ kernel over the group's backend")
         logger.info("%s on %s runs %s", op, device.type, path)
 
 
-def group_size(group_name: str, op: str) -> int:
+def resolve_group(group_name: str, op: str):
+    """The live process group registered as ``group_name``, or a ValueError naming ``op``."""
     try:
-        return _resolve_process_group(group_name).size()
+        return _resolve_process_group(group_name)
     except (RuntimeError, ValueError) as error:
         raise ValueError(
             f'{op}: group_name "{group_name}" names no registered process group '
             "(pass fastmesh.group_name(group) of a live group)"
         ) from error
+
+
+def group_size(group_name: str, op: str) -> int:
+    return resolve_group(group_name, op).size()
 
 
 def check_chunks(chunks, op: str) -> None:

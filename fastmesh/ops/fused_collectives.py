@@ -71,7 +71,7 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.kernels.fused_reference import all_gather
 from fastmesh.mesh import group_name as _group_name_of
-from fastmesh.ops import _dtensor
+from fastmesh.ops import _dtensor, chunked_gather
 from fastmesh.ops._checks import wrap_dim
 from fastmesh.ops._fused_common import (
     check_chunks,
@@ -82,10 +82,11 @@ from fastmesh.ops._fused_common import (
     input_grad_operands,
     log_path_once,
     reduce_scatter_gathered_grad,
+    resolve_group,
     rows,
     scattered_shape,
 )
-from fastmesh.ops._library import qualified_name
+from fastmesh.ops._library import library, qualified_name
 from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, check_config, matmul_reduce_scatter_fp8
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
@@ -168,6 +169,32 @@ def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, chunks
     world = group_size(group_name, _RS)
     dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, chunks)
     return a.new_empty(scattered_shape(a.shape, b.shape[1], dim, world))
+
+
+# ---- all_gather_matmul's CUDA kernel ----
+
+def _all_gather_matmul_cuda(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0):
+    """The Triton consumer GEMM (fastmesh/ops/chunked_gather.py) where it is enabled and applies, else the
+    pipelined C++ kernel; logs its choice once per path."""
+    group = resolve_group(group_name, _AG)
+    dim = _check_all_gather_matmul(a_shard, bs, gather_dim, group.size(), chunks)
+    ext = _cpp_lib.load()
+    if chunked_gather.enabled():
+        reason = chunked_gather.unsupported_reason(a_shard, dim, group.size())
+    else:
+        reason = f"it is opt-in until measured on GPUs: {chunked_gather.ENV_ENABLE}=1"
+    if reason is None:
+        ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")
+        log_path_once(_AG, a_shard.device, "the Triton consumer GEMM: per-piece all-gathers on a side stream flag "
+                      "each chunk, and the GEMM multiplies each tile once its rows have landed")
+        return chunked_gather.all_gather_chunked_matmul(a_shard, list(bs), dim, chunked_gather.CollectiveTransport(group),
+                                                        return_a, chunks)
+    log_path_once(_AG, a_shard.device, f"the pipelined decomposition: per-piece collectives on the backend's stream, "
+                  f"each multiply waiting for its piece (not the Triton consumer GEMM: {reason})")
+    return ext.all_gather_matmul_pipelined(a_shard, list(bs), gather_dim, group_name, return_a, chunks)
+
+
+library.impl("all_gather_matmul", _all_gather_matmul_cuda, "CUDA")
 
 
 # ---- autograd ----
@@ -315,7 +342,8 @@ def all_gather_matmul(
     if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
         _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), chunks)
     _cpp_lib.require()
-    if not torch.compiler.is_compiling():
+    # On CUDA the op's kernel picks its path and says which (except in FP8, which has one CUDA path).
+    if not torch.compiler.is_compiling() and (fp8 is not None or a_shard.device.type != "cuda"):
         log_path_once("fastmesh.all_gather_matmul", a_shard.device)
     if fp8 is not None:
         return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, chunks, check_config(fp8, "fastmesh.all_gather_matmul"))

@@ -1,0 +1,334 @@
+"""The Triton path of ``fastmesh::all_gather_matmul``: the transfer flags each chunk as it lands, and the
+chunk-waiting consumer GEMM (``fastmesh/kernels/chunked_matmul.py``) multiplies the rows that have landed
+while the others are still in flight.
+
+The plain-PyTorch equivalent of :func:`all_gather_chunked_matmul` is the op's::
+
+    a = torch.cat(all_gather(shard), dim=gather_dim)       # every rank's shard, in rank order
+    result = (a if return_a else None, [a @ b for b in bs])
+
+for ``gather_dim`` below the last dim (the rows are gathered; a gathered contraction dim stays with the
+pipelined kernel). Shapes are the op's (``fastmesh/ops/fused_collectives.py``).
+
+Layout
+------
+The shard's rows (leading dims flattened: ``[P*Q, K]`` with ``P`` the product of the dims before
+``gather_dim`` and ``Q`` of the rest but K) are cut into the pipeline pieces of
+``csrc/include/fastmesh/pipeline.h``, the CPU kernel's schedule (``_C.gather_row_pieces``). Piece ``i`` of
+every rank travels as one all-gather into a ``[W, rows_i, K]`` block; the arrival buffer holds those blocks
+back to back. Chunk ``i*W + j`` is rank ``j``'s part of piece ``i`` and has its own flag. This rank's own
+chunks are copied in and flagged before any transfer starts, so the consumer multiplies them first
+(arrival order: this rank's chunks, then piece 0's, piece 1's, ...), as the CPU kernel multiplies the local
+shard while the first pieces travel. In the gathered ``a``, row ``s = p*Q + q`` of rank ``j``'s shard is
+row ``(p*W + j)*Q + q``; the consumer writes each arrival row's products there (its row map), so no output
+is permuted afterwards. Only a returned ``a`` is copied into the gathered layout (``index_copy_``), unless
+the arrival order already is that layout (one piece and ``P == 1``).
+
+Transports
+----------
+* :class:`CollectiveTransport`: one c10d ``all_gather_into_tensor`` per piece, each followed by a fill of
+  the piece's flags. On CUDA it runs on a high-priority side stream: NCCL's kernel for a piece, then
+  (stream order) the flag fill. Both run on SMs, so the consumer's grid is capped to leave SMs free
+  (:func:`consumer_programs`): its spinning programs can never take every SM from the kernels that would
+  set their flags. On CPU (gloo) each piece is waited for on the host, so every flag is set before the
+  consumer starts: that is how the tests run this path, with the kernel under ``TRITON_INTERPRET=1``.
+* :class:`LoopbackTransport`: one process plays every rank (it holds all the shards) and copies the other
+  ranks' parts in on a side stream, optionally late (``torch.cuda._sleep``). It tests the waiting and the
+  layout on one GPU, where NCCL cannot run two ranks.
+
+Errors
+------
+A chunk whose flag never comes leaves its tiles unwritten after a bounded wait (``max_spins``), and sets the
+call's error word. Reading that word on the host costs a sync, so on CUDA the word is copied to pinned
+memory behind an event, and checked at the start of the next call on the device or by
+:func:`raise_pending_timeouts` (``block=True`` waits for the copies).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from fastmesh import _cpp_lib
+
+ENV_ENABLE = "FASTMESH_CUDA_CONSUMER_GEMM"
+ENV_FREE_SMS = "FASTMESH_CONSUMER_FREE_SMS"
+# SMs left free of consumer programs for the producer's kernels (NCCL's channels, the flag fills). Not
+# tuned on hardware: NCCL's all-gather typically runs one CTA per channel on up to 16-32 channels, but any
+# free SM guarantees progress; more free SMs make the transfer faster and the multiply slower.
+DEFAULT_FREE_SMS = 16
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT32_MAX = 2**31 - 1
+_OP = "fastmesh::all_gather_matmul"
+
+
+def _kernels():
+    from fastmesh.kernels import chunked_matmul  # needs triton: imported where the path is taken
+
+    return chunked_matmul
+
+
+# ---- when the path applies ----
+
+def enabled() -> bool:
+    """The Triton path is opt-in (``FASTMESH_CUDA_CONSUMER_GEMM=1``) until it has been measured on GPUs."""
+    return os.environ.get(ENV_ENABLE, "0") == "1"
+
+
+def unsupported_reason(a_shard: torch.Tensor, gather_dim: int, world: int) -> str | None:
+    """None when :func:`all_gather_chunked_matmul` can serve this call (arguments already checked), else why
+    not, in words for the path log."""
+    if a_shard.dtype not in KERNEL_DTYPES:
+        return f"{a_shard.dtype} (the consumer GEMM multiplies float32, bfloat16 and float16)"
+    if gather_dim == a_shard.dim() - 1:
+        return "the gathered dim is the contraction dim (the consumer GEMM waits on rows)"
+    if world == 1 or a_shard.numel() == 0:
+        return "nothing to gather"
+    if a_shard.numel() // a_shard.shape[-1] * world > _INT32_MAX:
+        return "more gathered rows than the kernel's int32 row offsets hold"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+# ---- the layout of one call ----
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GatherLayout:
+    """Where each rank's rows arrive and where the gathered ``a`` puts them (module docstring, "Layout")."""
+
+    world: int
+    rank: int
+    pieces: tuple[tuple[int, int], ...]  # the shard's row ranges, one per pipeline piece
+    chunk_starts: tuple[int, ...]  # arrival rows: piece-major, rank-minor
+    order: tuple[int, ...]  # this rank's chunks first, then the pieces in order
+    row_map: tuple[int, ...] | None  # arrival row -> gathered row; None where they are the same
+
+
+def gather_layout(shape: tuple[int, ...], dim: int, world: int, rank: int,
+                  pieces: tuple[tuple[int, int], ...]) -> GatherLayout:
+    """The layout of a contiguous shard of ``shape`` gathered along ``dim`` (not the last) over ``world`` ranks,
+    sent in ``pieces`` (row ranges covering the shard's rows in order)."""
+    shard_rows = math.prod(shape[:-1])
+    inner = math.prod(shape[dim:-1])  # Q: rows of one [Q, K] slab
+    if pieces[0][0] != 0 or pieces[-1][1] != shard_rows or any(a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+        raise ValueError(f"pieces must cover the shard's {shard_rows} rows in order, got {list(pieces)}")
+    starts = [0]
+    row_map = []
+    for begin, end in pieces:
+        for j in range(world):
+            starts.append(starts[-1] + end - begin)
+            for s in range(begin, end):
+                p, q = divmod(s, inner)
+                row_map.append((p * world + j) * inner + q)
+    num_chunks = len(pieces) * world
+    own = [i * world + rank for i in range(len(pieces))]
+    order = own + [c for c in range(num_chunks) if c % world != rank]
+    identity = all(r == i for i, r in enumerate(row_map))
+    return GatherLayout(world, rank, tuple(pieces), tuple(starts), tuple(order), None if identity else tuple(row_map))
+
+
+@functools.lru_cache(maxsize=64)
+def _prepared(shape: tuple[int, ...], dim: int, world: int, rank: int, element_size: int, chunks: int,
+              config, device: torch.device):
+    """(layout, the kernel's plan, the row map as an int64 index or None), cached per call signature."""
+    ext = _cpp_lib.load()
+    pieces = tuple(tuple(piece) for piece in ext.gather_row_pieces(list(shape), dim, element_size, chunks))
+    layout = gather_layout(shape, dim, world, rank, pieces)
+    plan = _kernels().chunk_plan(layout.chunk_starts, layout.order, config=config, device=device,
+                                 row_map=layout.row_map, out_rows=layout.chunk_starts[-1])
+    index = None if layout.row_map is None else plan.row_map.long()
+    return layout, plan, index
+
+
+# ---- transports ----
+
+class _SideStream:
+    """A high-priority side stream per device for the producer; nothing on CPU."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = None
+        if device.type == "cuda":
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device=device, priority=-1)
+            self.stream = self._streams[device]
+
+    def enter(self):
+        """Context for the producer's work: the side stream, after everything already on the current one."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def join(self) -> None:
+        """The current stream waits for the producer's work (so later uses and frees are ordered after it)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+class CollectiveTransport:
+    """Pieces gathered with c10d collectives over ``group`` (module docstring, "Transports")."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.world = group.size()
+        self.rank = group.rank()
+        self._side = None
+
+    def start(self, shard_rows: torch.Tensor, layout: GatherLayout, arrival: list[torch.Tensor],
+              flags: list[torch.Tensor]) -> None:
+        """Fill ``arrival[i]`` (``[W, rows_i, K]``, this rank's block already in place), then set ``flags[i]``."""
+        self._side = _SideStream(shard_rows.device)
+        with self._side.enter():
+            for piece, piece_flags in zip(arrival, flags):
+                work = dist.all_gather_into_tensor(piece.view(-1, piece.shape[-1]), piece[self.rank],
+                                                   group=self.group, async_op=True)
+                work.wait()  # CUDA: the side stream waits for the transfer; CPU: the host does
+                piece_flags.fill_(1)
+
+    def join(self) -> None:
+        self._side.join()
+
+
+class LoopbackTransport:
+    """One process plays all ``len(shards)`` ranks: the other ranks' parts are copied from ``shards`` (module
+    docstring, "Transports"), each piece after ``delay_cycles`` GPU cycles of sleep on CUDA."""
+
+    def __init__(self, shards: list[torch.Tensor], rank: int, delay_cycles: int = 0):
+        if not 0 <= rank < len(shards):
+            raise ValueError(f"rank must be in [0, {len(shards)}), got {rank}")
+        if delay_cycles < 0:
+            raise ValueError(f"delay_cycles must be >= 0, got {delay_cycles}")
+        self.shards = [shard.contiguous() for shard in shards]
+        self.world = len(shards)
+        self.rank = rank
+        self.delay_cycles = delay_cycles
+        self._side = None
+
+    def start(self, shard_rows, layout, arrival, flags) -> None:
+        device = shard_rows.device
+        self._side = _SideStream(device)
+        rows = [shard.view(-1, shard.shape[-1]) for shard in self.shards]
+        with self._side.enter():
+            for (begin, end), piece, piece_flags in zip(layout.pieces, arrival, flags):
+                if self.delay_cycles and device.type == "cuda":
+                    torch.cuda._sleep(self.delay_cycles)
+                for j in range(self.world):
+                    if j != self.rank:
+                        piece[j].copy_(rows[j][begin:end])
+                piece_flags.fill_(1)
+
+    def join(self) -> None:
+        self._side.join()
+
+
+# ---- the consumer's grid and errors ----
+
+def consumer_programs(device: torch.device) -> int | None:
+    """The consumer's grid cap on CUDA: the SM count less the SMs kept free for the producer
+    (``FASTMESH_CONSUMER_FREE_SMS``, default 16, at least 1 kept free and 1 program). None on CPU."""
+    raw = os.environ.get(ENV_FREE_SMS, str(DEFAULT_FREE_SMS))
+    try:
+        free = int(raw)
+    except ValueError:
+        free = 0
+    if free < 1:
+        raise ValueError(f"{ENV_FREE_SMS} must be an int >= 1 (SMs kept free for the transfers), got {raw!r}")
+    if device.type != "cuda":
+        return None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, sms - free)
+
+
+_pending: collections.deque = collections.deque()  # (event, pinned error word) of CUDA calls not yet checked
+
+
+def raise_pending_timeouts(block: bool = False) -> None:
+    """Raise :class:`~fastmesh.kernels.chunked_matmul.ChunkWaitTimeout` if an earlier CUDA call's consumer gave
+    up on a chunk. Checks the calls whose error word has reached the host (all of them with ``block``)."""
+    while _pending:
+        event, word = _pending[0]
+        if not block and not event.query():
+            return
+        event.synchronize()
+        _pending.popleft()
+        if word.item():
+            _pending.clear()  # one report; the words behind it describe the same failed transfer
+            _kernels().check_chunk_wait(word)
+
+
+def _defer_check(error: torch.Tensor) -> None:
+    if error.device.type != "cuda":
+        _kernels().check_chunk_wait(error)
+        return
+    word = torch.empty(1, dtype=torch.int32, pin_memory=True)
+    word.copy_(error, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _pending.append((event, word))
+
+
+# ---- the op ----
+
+def all_gather_chunked_matmul(shard: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, transport,
+                              return_a: bool, chunks: int = 0, max_spins: int | None = None):
+    """``(a if return_a else None, [a @ b for b in bs])`` with ``a`` the shards of ``transport``'s ranks
+    concatenated along ``gather_dim`` (not the last), through the consumer GEMM (module docstring).
+
+    ``transport``: a :class:`CollectiveTransport` or :class:`LoopbackTransport`. ``chunks``: pipeline pieces
+    per rank, 0 for the CPU kernel's choice. ``max_spins``: the consumer's bound on each wait (default
+    :data:`~fastmesh.kernels.chunked_matmul.DEFAULT_MAX_SPINS`). The arguments are those of a valid op call
+    for which :func:`unsupported_reason` is None; they are not checked again here.
+    """
+    cm = _kernels()
+    raise_pending_timeouts()
+    shard = shard.contiguous()
+    world, rank, device = transport.world, transport.rank, shard.device
+    config = cm.default_config(shard.dtype)
+    layout, plan, index = _prepared(tuple(shard.shape), gather_dim, world, rank, shard.element_size(), chunks,
+                                    config, device)
+    k = shard.shape[-1]
+    shard_rows = shard.view(-1, k)
+
+    arrival = torch.empty(plan.m, k, dtype=shard.dtype, device=device)
+    blocks = []
+    offset = 0
+    for begin, end in layout.pieces:
+        block = arrival[offset:offset + world * (end - begin)].view(world, end - begin, k)
+        block[rank].copy_(shard_rows[begin:end])
+        blocks.append(block)
+        offset += world * (end - begin)
+    flags = torch.zeros(len(layout.pieces), world, dtype=torch.int32, device=device)
+    flags[:, rank] = 1
+    error = torch.zeros(1, dtype=torch.int32, device=device)
+
+    transport.start(shard_rows, layout, blocks, list(flags))
+    full_shape = list(shard.shape)
+    full_shape[gather_dim] *= world
+    outs = []
+    for b in bs:
+        out = torch.empty(full_shape[:-1] + [b.shape[1]], dtype=shard.dtype, device=device)
+        cm.launch_chunked_matmul(plan, arrival, b, out.view(-1, b.shape[1]), flags.view(-1), error,
+                                 max_spins=cm.DEFAULT_MAX_SPINS if max_spins is None else max_spins,
+                                 max_programs=consumer_programs(device))
+        outs.append(out)
+    transport.join()
+    a_full = None
+    if return_a:
+        a_full = arrival.view(full_shape) if index is None else (
+            torch.empty(full_shape, dtype=shard.dtype, device=device).view(-1, k).index_copy_(0, index, arrival)
+            .view(full_shape))
+    _defer_check(error)
+    return a_full, outs
