@@ -12,7 +12,8 @@
 #   fp8-cuda   bench/gpu_check_fp8.py --impl cuda   (CUDA C++ quantize kernels: exactness, GB/s vs copy)
 #   fp8-triton bench/gpu_check_fp8.py --impl triton (the Triton kernels, the same checks)
 #   chunked    bench/gpu_check_chunked_matmul.py    (consumer GEMM: correctness, loopback, speed vs torch.mm)
-#   tests      pytest tests/test_chunked_matmul.py tests/test_fp8_triton.py (their CUDA tests run on a GPU)
+#   tests      pytest tests/test_chunked_matmul.py tests/test_chunked_gather.py tests/test_fp8_triton.py (their
+#              CUDA tests run on a GPU: the consumer GEMM's waits, the fused all-gather's loopback path)
 #   bench      fastmesh bench --device cuda --quick --dtype bfloat16 (table, OUT_DIR/bench/bench.json; its
 #              distributed families need two or more GPUs and say so on one; at most 4 minutes)
 # Exit status: 2 without a GPU (nothing else runs), else 0 if every step passed, 1 otherwise.
@@ -48,6 +49,6 @@ step info "$PY" -m fastmesh info --json
 step fp8-cuda "$PY" bench/gpu_check_fp8.py --impl cuda $QUICK_FLAG
 step fp8-triton "$PY" bench/gpu_check_fp8.py --impl triton $QUICK_FLAG
 step chunked "$PY" bench/gpu_check_chunked_matmul.py $QUICK_FLAG --json "$OUT_DIR/chunked_matmul.json"
-step tests "$PY" -m pytest -q -rfEs tests/test_chunked_matmul.py tests/test_fp8_triton.py
+step tests "$PY" -m pytest -q -rfEs tests/test_chunked_matmul.py tests/test_chunked_gather.py tests/test_fp8_triton.py
 step bench timeout 240 "$PY" -m fastmesh.bench.runner --device cuda --quick --dtype bfloat16 --out "$OUT_DIR/bench"
 exit $failed

@@ -9,8 +9,11 @@ For a machine with an NVIDIA GPU (torch 2.11+, triton 3.6+); one GPU is enough (
    delays while the kernel spins (the waiting logic on real hardware); a chunk that never arrives ends in
    ``ChunkWaitTimeout`` rather than a hang.
 2. Speed (CUDA events, median of repetitions), bf16: ``torch.mm`` vs the consumer GEMM with every flag set
-   (the cost of the chunk machinery itself; target: within 5% of ``torch.mm``) and vs loopback mode
-   against copy-then-``torch.mm`` (the overlap the kernel buys).
+   (the cost of the chunk machinery itself; target: within 5% of ``torch.mm``), the same with the capped
+   grid that ``all_gather_matmul`` launches beside NCCL (``fastmesh.ops.chunked_gather.consumer_programs``),
+   loopback mode against copy-then-``torch.mm`` (the overlap the kernel buys), and the fused all-gather's
+   own path (``all_gather_chunked_matmul``, 4 simulated ranks, loopback transport) against
+   ``torch.cat`` of the shards then ``torch.mm``.
 
 Exit status: 0 all good; 1 a result disagrees; 2 no GPU / setup failed; 3 correct, but slower than the target.
 """
@@ -23,6 +26,8 @@ import statistics
 import sys
 
 import torch
+
+from fastmesh.ops import chunked_gather
 
 TARGET_RATIO = 1.05  # consumer GEMM time / torch.mm time
 
@@ -102,13 +107,23 @@ def benchmark(cm, quick: bool) -> list[dict]:
         consumer = _time_ms(lambda: cm.chunked_matmul(a, b, flags, starts, error=error), 20)
         staging = torch.empty_like(a)
         copy_then_mm = _time_ms(lambda: (staging.copy_(a), torch.mm(staging, b)), 20)
+        programs = chunked_gather.consumer_programs(a.device)
+        capped = _time_ms(lambda: cm.chunked_matmul(a, b, flags, starts, error=error, max_programs=programs), 20)
         loopback = _time_ms(lambda: cm.loopback_chunked_matmul(a, b, num_chunks=chunks, check=False), 20)
         cm.check_chunk_wait(error)
+        shards = list(a.chunk(4))
+        transport = chunked_gather.LoopbackTransport(shards, rank=0)
+        cat_then_mm = _time_ms(lambda: torch.mm(torch.cat(shards), b), 20)
+        gather_path = _time_ms(lambda: chunked_gather.all_gather_chunked_matmul(shards[0], [b], 0, transport, False), 20)
+        chunked_gather.raise_pending_timeouts(block=True)
         rows.append({"m": m, "k": k, "n": n, "torch_mm_ms": mm, "consumer_ms": consumer, "ratio": consumer / mm,
-                     "copy_then_mm_ms": copy_then_mm, "loopback_ms": loopback})
+                     "consumer_capped_ms": capped, "capped_programs": programs, "copy_then_mm_ms": copy_then_mm,
+                     "loopback_ms": loopback, "cat_then_mm_ms": cat_then_mm, "gather_path_ms": gather_path})
         print(f"{m}x{k}x{n} bf16: torch.mm {mm:.3f} ms, consumer (flags set) {consumer:.3f} ms "
-              f"({consumer / mm:.3f}x, target <= {TARGET_RATIO}), copy+mm {copy_then_mm:.3f} ms, "
-              f"loopback {loopback:.3f} ms", flush=True)
+              f"({consumer / mm:.3f}x, target <= {TARGET_RATIO}), capped to {programs} programs {capped:.3f} ms "
+              f"({capped / mm:.3f}x); copy+mm {copy_then_mm:.3f} ms, loopback {loopback:.3f} ms; "
+              f"cat+mm {cat_then_mm:.3f} ms, all_gather_chunked_matmul (loopback, 4 ranks) {gather_path:.3f} ms",
+              flush=True)
     return rows
 
 

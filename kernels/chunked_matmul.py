@@ -480,6 +480,17 @@ def _check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None
         raise ValueError(f"{name} must be on a's device {device}, got {t.device}")
 
 
+def _check_matrices(a, b, **tensors) -> None:
+    """a and b are 2-D tensors, and every other named argument a tensor."""
+    for name, t in (("a", a), ("b", b), *tensors.items()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dim() != 2:
+        raise ValueError(f"a must be 2-D [M, K], got shape {list(a.shape)}")
+    if b.dim() != 2:
+        raise ValueError(f"b must be 2-D [K, N], got shape {list(b.shape)}")
+
+
 def _check_bound(name: str, value, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= _INT32_MAX:
         raise ValueError(f"{name} must be an int in [{low}, 2**31 - 1], got {value!r}")
@@ -502,13 +513,7 @@ def launch_chunked_matmul(
     """Launch the kernel for a prepared layout: ``out[row_map] = a @ b`` as chunks land. No sync, no
     host-to-device copy. The arguments are those of :func:`chunked_matmul`; ``out`` and ``error`` are
     required, ``out`` has ``plan.out_rows`` rows."""
-    for name, t in (("a", a), ("b", b), ("out", out), ("flags", flags), ("error", error)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if a.dim() != 2:
-        raise ValueError(f"a must be 2-D [M, K], got shape {list(a.shape)}")
-    if b.dim() != 2:
-        raise ValueError(f"b must be 2-D [K, N], got shape {list(b.shape)}")
+    _check_matrices(a, b, out=out, flags=flags, error=error)
     if a.dtype not in _DTYPES:
         raise TypeError(f"a must be float32, bfloat16 or float16, got {a.dtype}")
     if b.dtype != a.dtype:
@@ -619,13 +624,7 @@ def chunked_matmul(
     Returns:
         ``out``. If a wait timed out, the tiles reading that chunk are left as they were.
     """
-    for name, t in (("a", a), ("b", b), ("flags", flags)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if a.dim() != 2:
-        raise ValueError(f"a must be 2-D [M, K], got shape {list(a.shape)}")
-    if b.dim() != 2:
-        raise ValueError(f"b must be 2-D [K, N], got shape {list(b.shape)}")
+    _check_matrices(a, b, flags=flags)
     starts = _host_ints("chunk_starts", chunk_starts)
     _check_starts(starts, a.shape[0])
     if out is None:

@@ -14,7 +14,6 @@ reference (``torch.cat`` of the shards, then ``@``) bit for bit.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import math
 import os
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import fastmesh
 from fastmesh import _cpp_lib
 from fastmesh.ops import chunked_gather
+from log_capture import path_log
 from rank_pool import on_ranks
 from triton_interpreter import INTERPRETED, run_module_under_interpreter
 
@@ -213,27 +213,20 @@ def test_a_lost_piece_raises():
 def _through_the_cuda_kernel(shape, dim, chunks, return_a, enabled):
     """Rank body: the op's CUDA kernel, called on CPU tensors over gloo (the kernel is device-agnostic Python
     apart from the side stream), against the CPU op; and the path it logged."""
-    from fastmesh.ops import _fused_common, fused_collectives
+    from fastmesh.ops import fused_collectives
 
     rank, world = dist.get_rank(), dist.get_world_size()
     shards = [small_ints(shape, torch.bfloat16, seed=10 + j) for j in range(world)]
     k = shape[-1] * (world if dim == len(shape) - 1 else 1)
     bs = [small_ints((k, 6), torch.bfloat16, seed=1), small_ints((k, 11), torch.bfloat16, seed=2)]
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("fastmesh.ops")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    _fused_common._logged.clear()
     os.environ[chunked_gather.ENV_ENABLE] = "1" if enabled else "0"
     try:
-        name = fastmesh.group_name(dist.group.WORLD)
-        a_full, outs = fused_collectives._all_gather_matmul_cuda(shards[rank], bs, dim, name, return_a, chunks)
-        expected_a, expected = torch.ops.fastmesh.all_gather_matmul(shards[rank], bs, dim, name, True, chunks)
+        with path_log() as messages:
+            name = fastmesh.group_name(dist.group.WORLD)
+            a_full, outs = fused_collectives._all_gather_matmul_cuda(shards[rank], bs, dim, name, return_a, chunks)
+            expected_a, expected = torch.ops.fastmesh.all_gather_matmul(shards[rank], bs, dim, name, True, chunks)
     finally:
         os.environ.pop(chunked_gather.ENV_ENABLE)
-        logger.removeHandler(handler)
     a_ref, outs_ref = reference(shards, bs, dim)
     for out, cpu_out, ref in zip(outs, expected, outs_ref):
         assert_same(out, cpu_out, "against the CPU op")
@@ -242,7 +235,7 @@ def _through_the_cuda_kernel(shape, dim, chunks, return_a, enabled):
         assert_same(a_full, expected_a, "gathered a")
     else:
         assert a_full is None
-    return [r.getMessage() for r in records]
+    return messages
 
 
 @needs_interpreter

@@ -496,24 +496,13 @@ def test_shard_shapes_that_differ_across_ranks_raise_on_every_rank():
 
 @on_ranks(2)
 def test_path_is_logged_once():
-    import logging
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("fastmesh.ops")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
     from fastmesh.ops import _fused_common
+    from log_capture import path_log
 
-    _fused_common._logged.clear()
-    try:
+    with path_log() as messages:
         for _ in range(2):
             fastmesh.all_gather_matmul(torch.randn(2, 4), [torch.randn(4, 3)], 0)
             fastmesh.matmul_reduce_scatter(torch.randn(4, 4), torch.randn(4, 3), 0)
-    finally:
-        logger.removeHandler(handler)
-    messages = [r.getMessage() for r in records]
     assert messages == [
         "fastmesh.all_gather_matmul on cpu runs " + _fused_common._PATHS["cpu"],
         "fastmesh.matmul_reduce_scatter on cpu runs " + _fused_common._PATHS["cpu"],

@@ -5,7 +5,9 @@ In sequence-parallel TP a column-parallel linear starts with an all-gather of it
 linear ends with a reduce-scatter of its output. These ops cut the communicated tensor into pieces and
 overlap the transfer of one piece with the multiply of another (schedule: ``csrc/include/fastmesh/pipeline.h``),
 on every backend c10d has: gloo on CPU, NCCL on CUDA. The local shard is multiplied while the first
-pieces travel.
+pieces travel. On CUDA, ``all_gather_matmul``'s kernel can instead run one Triton GEMM that multiplies each
+tile as soon as its rows have landed (``fastmesh/ops/chunked_gather.py``; opt-in with
+``FASTMESH_CUDA_CONSUMER_GEMM=1``); it logs once which path it took.
 
 Plain-PyTorch equivalents (``group`` the process group named by ``group_name``, ``W`` its size)::
 
