@@ -190,10 +190,10 @@ class _LosingTransport(chunked_gather.LoopbackTransport):
         super().__init__(shards, rank)
         self.lost = lost
 
-    def start(self, shard_rows, layout, arrival, flags):
+    def start(self, layout, arrival, flags):
         flags = list(flags)
         flags[self.lost] = torch.empty_like(flags[self.lost])  # the fill goes elsewhere
-        super().start(shard_rows, layout, arrival, flags)
+        super().start(layout, arrival, flags)
 
 
 @needs_interpreter

@@ -106,8 +106,6 @@ def unsupported_reason(a_shard: torch.Tensor, gather_dim: int, world: int) -> st
 class GatherLayout:
     """Where each rank's rows arrive and where the gathered ``a`` puts them (module docstring, "Layout")."""
 
-    world: int
-    rank: int
     pieces: tuple[tuple[int, int], ...]  # the shard's row ranges, one per pipeline piece
     chunk_starts: tuple[int, ...]  # arrival rows: piece-major, rank-minor
     order: tuple[int, ...]  # this rank's chunks first, then the pieces in order
@@ -134,7 +132,7 @@ def gather_layout(shape: tuple[int, ...], dim: int, world: int, rank: int,
     own = [i * world + rank for i in range(len(pieces))]
     order = own + [c for c in range(num_chunks) if c % world != rank]
     identity = all(r == i for i, r in enumerate(row_map))
-    return GatherLayout(world, rank, tuple(pieces), tuple(starts), tuple(order), None if identity else tuple(row_map))
+    return GatherLayout(tuple(pieces), tuple(starts), tuple(order), None if identity else tuple(row_map))
 
 
 @functools.lru_cache(maxsize=64)
@@ -152,18 +150,17 @@ def _prepared(shape: tuple[int, ...], dim: int, world: int, rank: int, element_s
 
 # ---- transports ----
 
-class _SideStream:
-    """A high-priority side stream per device for the producer; nothing on CPU."""
+@functools.cache
+def _high_priority_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device, priority=-1)
 
-    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+class _SideStream:
+    """The producer's stream: a high-priority side stream per CUDA device; nothing on CPU."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = None
-        if device.type == "cuda":
-            if device not in self._streams:
-                self._streams[device] = torch.cuda.Stream(device=device, priority=-1)
-            self.stream = self._streams[device]
+        self.stream = _high_priority_stream(device) if device.type == "cuda" else None
 
     def enter(self):
         """Context for the producer's work: the side stream, after everything already on the current one."""
@@ -187,10 +184,10 @@ class CollectiveTransport:
         self.rank = group.rank()
         self._side = None
 
-    def start(self, shard_rows: torch.Tensor, layout: GatherLayout, arrival: list[torch.Tensor],
-              flags: list[torch.Tensor]) -> None:
-        """Fill ``arrival[i]`` (``[W, rows_i, K]``, this rank's block already in place), then set ``flags[i]``."""
-        self._side = _SideStream(shard_rows.device)
+    def start(self, layout: GatherLayout, arrival: list[torch.Tensor], flags: list[torch.Tensor]) -> None:
+        """Fill ``arrival[i]`` (``[W, rows_i, K]``, this rank's block already in place), then set ``flags[i]``
+        (``[W]`` int32) to 1, piece after piece."""
+        self._side = _SideStream(arrival[0].device)
         with self._side.enter():
             for piece, piece_flags in zip(arrival, flags):
                 work = dist.all_gather_into_tensor(piece.view(-1, piece.shape[-1]), piece[self.rank],
@@ -217,8 +214,8 @@ class LoopbackTransport:
         self.delay_cycles = delay_cycles
         self._side = None
 
-    def start(self, shard_rows, layout, arrival, flags) -> None:
-        device = shard_rows.device
+    def start(self, layout: GatherLayout, arrival: list[torch.Tensor], flags: list[torch.Tensor]) -> None:
+        device = arrival[0].device
         self._side = _SideStream(device)
         rows = [shard.view(-1, shard.shape[-1]) for shard in self.shards]
         with self._side.enter():
@@ -314,7 +311,7 @@ def all_gather_chunked_matmul(shard: torch.Tensor, bs: list[torch.Tensor], gathe
     flags[:, rank] = 1
     error = torch.zeros(1, dtype=torch.int32, device=device)
 
-    transport.start(shard_rows, layout, blocks, list(flags))
+    transport.start(layout, blocks, list(flags))
     full_shape = list(shard.shape)
     full_shape[gather_dim] *= world
     outs = []
