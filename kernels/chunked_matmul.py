@@ -300,25 +300,30 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _host_ints(name: str, value, allow_none: bool = False) -> tuple[int, ...] | None:
-    """A 1-D int tensor (any device: a CUDA one costs a sync) or a sequence of ints, as a tuple."""
+def _host_int_tensor(name: str, value) -> torch.Tensor:
+    """A 1-D int tensor (any device: a CUDA one costs a sync) or a sequence of ints, as a CPU int64 tensor."""
     if value is None:
-        if allow_none:
-            return None
         raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got None")
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {list(value.shape)}")
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
-        return tuple(int(v) for v in value.tolist())
+        return value.to(device="cpu", dtype=torch.int64)
     try:
         values = tuple(value)
     except TypeError:
         raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(value).__name__}") from None
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name} must contain ints, got {list(values)}")
-    return values
+    return torch.tensor(values, dtype=torch.int64).view(-1)
+
+
+def _host_ints(name: str, value, allow_none: bool = False) -> tuple[int, ...] | None:
+    """:func:`_host_int_tensor`'s values as a tuple (None stays None where allowed)."""
+    if value is None and allow_none:
+        return None
+    return tuple(_host_int_tensor(name, value).tolist())
 
 
 def _check_starts(starts: tuple[int, ...], m: int) -> None:
@@ -389,9 +394,9 @@ def _schedule_rows(starts: tuple[int, ...], order: tuple[int, ...], block_m: int
 class ChunkPlan:
     """The device tables of one chunk layout: everything the kernel reads besides the operands.
 
-    Made by :func:`chunk_plan`, which checks the host values once and caches the plan. A caller that
-    launches the same layout every step (the fused all-gather) keeps the plan and calls
-    :func:`launch_chunked_matmul`, which copies nothing to the device.
+    Made by :func:`chunk_plan`, which checks the host values once. A caller that launches the same
+    layout every step (the fused all-gather) keeps the plan and calls :func:`launch_chunked_matmul`,
+    which copies nothing to the device. :func:`chunked_matmul` caches plans by their host values.
     """
 
     m: int  # rows of A
@@ -406,15 +411,16 @@ class ChunkPlan:
 
 def chunk_plan(chunk_starts, order=None, *, config: MatmulConfig, device, row_map=None,
                out_rows: int | None = None) -> ChunkPlan:
-    """Check a chunk layout and build (or fetch from the cache) its :class:`ChunkPlan` on ``device``.
+    """Check a chunk layout and build its :class:`ChunkPlan` on ``device``: build it once, launch it often.
 
     Args:
         chunk_starts, order: as for :func:`chunked_matmul` (tensors on any device, or ints).
         config: the tile sizes the plan is for.
         device: where the kernel runs.
         row_map: None (row ``r`` of A gives row ``r`` of C), or M distinct ints in ``[0, out_rows)``
-            (a tensor or ints): row ``r`` of A gives row ``row_map[r]`` of C. The fused all-gather
-            receives rows in arrival order and writes them where the gathered layout puts them.
+            (an int tensor, read on the host, or ints): row ``r`` of A gives row ``row_map[r]`` of C. The
+            fused all-gather receives rows in arrival order and writes them where the gathered layout
+            puts them.
         out_rows: the rows of C (default M).
     """
     starts = _host_ints("chunk_starts", chunk_starts)
@@ -424,29 +430,37 @@ def chunk_plan(chunk_starts, order=None, *, config: MatmulConfig, device, row_ma
     out_rows = m if out_rows is None else out_rows
     if not isinstance(out_rows, int) or isinstance(out_rows, bool) or not 0 <= out_rows <= _INT32_MAX:
         raise ValueError(f"out_rows must be an int in [0, 2**31 - 1], got {out_rows!r}")
-    mapped = _host_ints("row_map", row_map, allow_none=True)
-    if mapped is None:
+    mapped = _checked_row_map(row_map, m, out_rows)
+    device = torch.device(device)
+    rows = _schedule_rows(starts, order, config.block_m, config.group_m)
+    return ChunkPlan(
+        m=m, out_rows=out_rows, num_chunks=len(starts) - 1, config=config, device=device,
+        schedule=torch.tensor(rows, dtype=torch.int32).view(-1, _SCHEDULE_COLUMNS).to(device),
+        starts=torch.tensor(starts, dtype=torch.int32).to(device),
+        row_map=None if mapped is None else mapped.to(device=device, dtype=torch.int32),
+    )
+
+
+def _checked_row_map(row_map, m: int, out_rows: int) -> torch.Tensor | None:
+    """row_map as a CPU int64 tensor, checked (vectorized: a fused all-gather's map has a row per gathered row)."""
+    if row_map is None:
         if out_rows != m:
             raise ValueError(f"out_rows ({out_rows}) must equal M = {m} without a row_map")
-    else:
-        if len(mapped) != m:
-            raise ValueError(f"row_map must hold one row of C per row of A (M = {m}), got {len(mapped)}")
-        if any(not 0 <= r < out_rows for r in mapped) or len(set(mapped)) != m:
-            raise ValueError(f"row_map must hold distinct rows in [0, out_rows = {out_rows}) (two rows of A must not "
-                             "write the same row of C)")
-    return _cached_plan(starts, order, mapped, out_rows, config, torch.device(device))
+        return None
+    mapped = _host_int_tensor("row_map", row_map)
+    if mapped.numel() != m:
+        raise ValueError(f"row_map must hold one row of C per row of A (M = {m}), got {mapped.numel()}")
+    if m and (int(mapped.min()) < 0 or int(mapped.max()) >= out_rows or torch.unique(mapped).numel() != m):
+        raise ValueError(f"row_map must hold distinct rows in [0, out_rows = {out_rows}) (two rows of A must not "
+                         "write the same row of C)")
+    return mapped
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_plan(starts: tuple[int, ...], order: tuple[int, ...], row_map: tuple[int, ...] | None, out_rows: int,
-                 config: MatmulConfig, device: torch.device) -> ChunkPlan:
-    rows = _schedule_rows(starts, order, config.block_m, config.group_m)
-    return ChunkPlan(
-        m=starts[-1], out_rows=out_rows, num_chunks=len(starts) - 1, config=config, device=device,
-        schedule=torch.tensor(rows, dtype=torch.int32).view(-1, _SCHEDULE_COLUMNS).to(device),
-        starts=torch.tensor(starts, dtype=torch.int32).to(device),
-        row_map=None if row_map is None else torch.tensor(row_map, dtype=torch.int32).to(device),
-    )
+def _cached_plan(starts: tuple[int, ...], order: tuple[int, ...] | None, row_map: tuple[int, ...] | None,
+                 out_rows: int | None, config: MatmulConfig, device: torch.device) -> ChunkPlan:
+    """chunk_plan for :func:`chunked_matmul`, keyed by host values: a steady-state call copies nothing."""
+    return chunk_plan(starts, order, config=config, device=device, row_map=row_map, out_rows=out_rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -597,7 +611,7 @@ def chunked_matmul(
             kernel that cannot be starved of SMs (module docstring).
         chunk_starts: ``num_chunks + 1`` non-decreasing row offsets from 0 to M: an int32/int64
             tensor or a sequence of ints. A CPU tensor or ints cost no sync. A CUDA tensor is read
-            back, with a device sync. The derived tables are cached on the device (:func:`chunk_plan`).
+            back, with a device sync. The derived tables are cached on the device, per layout.
             The first call for a new layout copies them there, so make that call before any CUDA-graph
             capture.
         expected: the epoch, an int in ``[1, 2**31 - 1]``. Flags below it are stale.
@@ -638,8 +652,8 @@ def chunked_matmul(
     if error is None:
         error = torch.zeros(1, dtype=torch.int32, device=a.device)
     config = config or default_config(a.dtype)
-    plan = chunk_plan(starts, order, config=config, device=a.device, row_map=row_map,
-                      out_rows=out.shape[0] if row_map is not None else None)
+    plan = _cached_plan(starts, _host_ints("order", order, allow_none=True), _host_ints("row_map", row_map, allow_none=True),
+                        out.shape[0] if row_map is not None else None, config, a.device)
     launch_chunked_matmul(plan, a, b, out, flags, error, expected=expected, max_spins=max_spins,
                           max_programs=max_programs, input_precision=input_precision, wrap=wrap)
     if check:

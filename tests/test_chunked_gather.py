@@ -79,7 +79,7 @@ def test_gather_layout_puts_every_row_where_the_gather_does(shape, dim, pieces, 
     shards = [(j * 1000 + torch.arange(rows)).view(*shape[:-1], 1).expand(*shape[:-1], k) for j in range(world)]
     gathered = torch.cat(shards, dim=dim).reshape(-1, k)[:, 0]
     arrival = [j * 1000 + s for begin, end in pieces for j in range(world) for s in range(begin, end)]
-    row_map = layout.row_map if layout.row_map is not None else range(len(arrival))
+    row_map = layout.row_map.tolist() if layout.row_map is not None else range(len(arrival))
     assert [int(gathered[r]) for r in row_map] == arrival
     assert sorted(row_map) == list(range(world * rows))
     sizes = [end - begin for begin, end in pieces for _ in range(world)]

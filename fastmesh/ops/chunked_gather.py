@@ -93,6 +93,9 @@ def unsupported_reason(a_shard: torch.Tensor, gather_dim: int, world: int) -> st
         return "nothing to gather"
     if a_shard.numel() // a_shard.shape[-1] * world > _INT32_MAX:
         return "more gathered rows than the kernel's int32 row offsets hold"
+    if a_shard.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Per call it allocates pinned memory, records an event and may read an earlier call's error word.
+        return "a CUDA graph is being captured (the path reads its error words back on the host)"
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -109,7 +112,7 @@ class GatherLayout:
     pieces: tuple[tuple[int, int], ...]  # the shard's row ranges, one per pipeline piece
     chunk_starts: tuple[int, ...]  # arrival rows: piece-major, rank-minor
     order: tuple[int, ...]  # this rank's chunks first, then the pieces in order
-    row_map: tuple[int, ...] | None  # arrival row -> gathered row; None where they are the same
+    row_map: torch.Tensor | None  # int64 [W * shard rows]: arrival row -> gathered row; None where the same
 
 
 def gather_layout(shape: tuple[int, ...], dim: int, world: int, rank: int,
@@ -120,31 +123,33 @@ def gather_layout(shape: tuple[int, ...], dim: int, world: int, rank: int,
     inner = math.prod(shape[dim:-1])  # Q: rows of one [Q, K] slab
     if pieces[0][0] != 0 or pieces[-1][1] != shard_rows or any(a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
         raise ValueError(f"pieces must cover the shard's {shard_rows} rows in order, got {list(pieces)}")
+    sizes = [end - begin for begin, end in pieces for _ in range(world)]
     starts = [0]
-    row_map = []
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    # Arrival rows piece by piece, rank by rank: rank j's shard row s = p*Q + q lands at (p*W + j)*Q + q.
+    parts = []
     for begin, end in pieces:
+        s = torch.arange(begin, end)
         for j in range(world):
-            starts.append(starts[-1] + end - begin)
-            for s in range(begin, end):
-                p, q = divmod(s, inner)
-                row_map.append((p * world + j) * inner + q)
-    num_chunks = len(pieces) * world
+            parts.append(s + (s // inner) * (world - 1) * inner + j * inner)
+    row_map = torch.cat(parts)
     own = [i * world + rank for i in range(len(pieces))]
-    order = own + [c for c in range(num_chunks) if c % world != rank]
-    identity = all(r == i for i, r in enumerate(row_map))
-    return GatherLayout(tuple(pieces), tuple(starts), tuple(order), None if identity else tuple(row_map))
+    order = own + [c for c in range(len(sizes)) if c % world != rank]
+    identity = torch.equal(row_map, torch.arange(row_map.numel()))
+    return GatherLayout(tuple(pieces), tuple(starts), tuple(order), None if identity else row_map)
 
 
 @functools.lru_cache(maxsize=64)
 def _prepared(shape: tuple[int, ...], dim: int, world: int, rank: int, element_size: int, chunks: int,
               config, device: torch.device):
-    """(layout, the kernel's plan, the row map as an int64 index or None), cached per call signature."""
+    """(layout, the kernel's plan, the row map as an int64 index on the device or None), per call signature."""
     ext = _cpp_lib.load()
     pieces = tuple(tuple(piece) for piece in ext.gather_row_pieces(list(shape), dim, element_size, chunks))
     layout = gather_layout(shape, dim, world, rank, pieces)
     plan = _kernels().chunk_plan(layout.chunk_starts, layout.order, config=config, device=device,
                                  row_map=layout.row_map, out_rows=layout.chunk_starts[-1])
-    index = None if layout.row_map is None else plan.row_map.long()
+    index = None if layout.row_map is None else layout.row_map.to(device)
     return layout, plan, index
 
 
