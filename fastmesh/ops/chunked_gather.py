@@ -40,8 +40,9 @@ Errors
 ------
 A chunk whose flag never comes leaves its tiles unwritten after a bounded wait (``max_spins``), and sets the
 call's error word. Reading that word on the host costs a sync, so on CUDA the word is copied to pinned
-memory behind an event, and checked at the start of the next call on the device or by
-:func:`raise_pending_timeouts` (``block=True`` waits for the copies).
+memory behind an event, and checked at the start of the next call of this path (once the copy has landed)
+or by :func:`raise_pending_timeouts` (``block=True`` waits for the copies). The outputs of the call that
+timed out are incomplete.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ ENV_FREE_SMS = "FASTMESH_CONSUMER_FREE_SMS"
 DEFAULT_FREE_SMS = 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MAX = 2**31 - 1
-_OP = "fastmesh::all_gather_matmul"
 
 
 def _kernels():
