@@ -99,8 +99,19 @@ def _triton_report() -> dict[str, Any]:
     return {"version": triton.__version__, "target": f"{target.backend} {target.arch}", "mode": "compiles for the GPU"}
 
 
+def _cuda_gather_report() -> dict[str, Any]:
+    from fastmesh.ops import chunked_gather
+
+    try:
+        return {"path": chunked_gather.describe_cuda_path(), "error": None}
+    except ValueError as error:
+        return {"path": None, "error": str(error)}
+
+
 def _problems(report: dict[str, Any]) -> list[str]:
     problems = []
+    if report["cuda_all_gather_matmul"]["error"]:
+        problems.append(report["cuda_all_gather_matmul"]["error"])
     extension = report["extension"]
     if not extension["loaded"]:
         problems.append(extension["error"])
@@ -128,6 +139,7 @@ def collect() -> dict[str, Any]:
         "distributed": _distributed_report(),
         "symmetric_memory": _symmetric_memory_report(),
         "triton": _triton_report(),
+        "cuda_all_gather_matmul": _cuda_gather_report(),
     }
     report["ops"] = {op: kernel_dispatch_keys(op) for op in fastmesh_ops()}
     report["problems"] = _problems(report)
@@ -176,6 +188,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("distributed     " + (", ".join(f"{n}={_yes_no(v)}" for n, v in backends.items()) or "unavailable"))
     symm = report["symmetric_memory"]
     lines.append(f"symmetric mem   {_yes_no(symm['available'])}: {symm['reason']}")
+    gather = report["cuda_all_gather_matmul"]
+    lines.append(f"CUDA all-gather {gather['path'] or 'unknown: ' + gather['error']}")
     lines.append("")
     if report["usable"]:
         lines.append("status          usable")

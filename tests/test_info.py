@@ -77,7 +77,7 @@ def test_front_raises_extension_error_when_kernels_missing():
 def test_report_text_lists_sections():
     text = info.format_report(info.collect())
     for heading in ("fastmesh ", "torch ", "triton ", "fastmesh._C ", "ops (dispatch keys", "CUDA ", "distributed ",
-                    "symmetric mem ", "status "):
+                    "symmetric mem ", "CUDA all-gather ", "status "):
         assert heading in text, heading
 
 
@@ -86,3 +86,20 @@ def test_loaded_build_info_is_the_compiled_metadata():
     assert build["mode"] in ("setup", "jit")
     assert build["python_version"] == sys.version.split()[0]
     assert build["cxx_flags"] and isinstance(build["sources"], list)
+
+
+def test_reports_the_cuda_all_gather_path(monkeypatch):
+    """Which path all_gather_matmul takes on CUDA under the current settings, and a bad setting as a problem."""
+    monkeypatch.delenv("FASTMESH_CUDA_CONSUMER_GEMM", raising=False)
+    monkeypatch.delenv("FASTMESH_CONSUMER_FREE_SMS", raising=False)
+    assert "CUDA all-gather the pipelined decomposition (the Triton consumer GEMM is opt-in: " \
+        "FASTMESH_CUDA_CONSUMER_GEMM=1)" in info.format_report(info.collect())
+    monkeypatch.setenv("FASTMESH_CUDA_CONSUMER_GEMM", "1")
+    monkeypatch.setenv("FASTMESH_CONSUMER_FREE_SMS", "24")
+    assert "the Triton consumer GEMM where it applies (FASTMESH_CUDA_CONSUMER_GEMM=1; 24 SMs left to the " \
+        "transfer)" in info.format_report(info.collect())
+    monkeypatch.setenv("FASTMESH_CONSUMER_FREE_SMS", "0")
+    report = info.collect()
+    assert not report["usable"]
+    assert report["problems"][0] == "FASTMESH_CONSUMER_FREE_SMS must be an int >= 1 (SMs kept free for the " \
+        "transfers), got '0'"

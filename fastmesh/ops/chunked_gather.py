@@ -238,9 +238,8 @@ class LoopbackTransport:
 
 # ---- the consumer's grid and errors ----
 
-def consumer_programs(device: torch.device) -> int | None:
-    """The consumer's grid cap on CUDA: the SM count less the SMs kept free for the producer
-    (``FASTMESH_CONSUMER_FREE_SMS``, default 16, at least 1 kept free and 1 program). None on CPU."""
+def free_sms() -> int:
+    """The SMs the consumer leaves to the producer: ``FASTMESH_CONSUMER_FREE_SMS`` (an int >= 1), default 16."""
     raw = os.environ.get(ENV_FREE_SMS, str(DEFAULT_FREE_SMS))
     try:
         free = int(raw)
@@ -248,10 +247,25 @@ def consumer_programs(device: torch.device) -> int | None:
         free = 0
     if free < 1:
         raise ValueError(f"{ENV_FREE_SMS} must be an int >= 1 (SMs kept free for the transfers), got {raw!r}")
+    return free
+
+
+def consumer_programs(device: torch.device) -> int | None:
+    """The consumer's grid cap on CUDA: the SM count less :func:`free_sms` (at least 1 program). None on CPU."""
+    free = free_sms()
     if device.type != "cuda":
         return None
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, sms - free)
+
+
+def describe_cuda_path() -> str:
+    """What all_gather_matmul runs on CUDA under the current settings, for ``fastmesh info``. Raises
+    ValueError for a bad ``FASTMESH_CONSUMER_FREE_SMS``."""
+    if not enabled():
+        return f"the pipelined decomposition (the Triton consumer GEMM is opt-in: {ENV_ENABLE}=1)"
+    return (f"the Triton consumer GEMM where it applies ({ENV_ENABLE}=1; {free_sms()} SMs left to the transfer), "
+            "else the pipelined decomposition")
 
 
 _pending: collections.deque = collections.deque()  # (event, pinned error word) of CUDA calls not yet checked
