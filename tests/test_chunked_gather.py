@@ -183,6 +183,19 @@ def test_loopback_equals_gather_then_matmul(shape, dim, world, rank, chunks, num
     assert a_none is None and all(torch.equal(x, y) for x, y in zip(outs, outs_again))
 
 
+@needs_interpreter
+def test_loopback_with_an_empty_b():
+    """A b with no columns gives an empty product beside the others (nothing to launch for it)."""
+    shards = [small_ints((3, 5), torch.float32, seed=j) for j in range(2)]
+    bs = [small_ints((5, 0), torch.float32, seed=1), small_ints((5, 4), torch.float32, seed=2)]
+    a_full, outs = chunked_gather.all_gather_chunked_matmul(shards[1], bs, 0, chunked_gather.LoopbackTransport(shards, 1),
+                                                            return_a=True, chunks=2)
+    a_ref, outs_ref = reference(shards, bs, 0)
+    assert outs[0].shape == (6, 0)
+    assert_same(outs[1], outs_ref[1].float(), "the other b")
+    assert_same(a_full, a_ref.float(), "gathered a")
+
+
 class _LosingTransport(chunked_gather.LoopbackTransport):
     """Never sets the flags of piece `lost`."""
 

@@ -144,6 +144,30 @@ def test_one_dim_and_empty_inputs():
     assert torch.equal(got, torch.zeros(2, 4))
 
 
+@on_ranks(2)
+def test_empty_inputs_have_empty_gradients():
+    """Backward through shards with no columns (K = 0) or no rows: zero gradients of the right shapes, as
+    through the reference (found by a randomized sweep: the flattening of an empty last dim was ambiguous)."""
+    name = _world_name()
+    for shard_shape, gather_dim, b_shape in [((2, 3, 0), 1, (0, 4)), ((0, 5), 0, (5, 3)), ((2, 0), -1, (0, 3))]:
+        grads = []
+        for fn in ("fused", "reference"):
+            a = torch.zeros(shard_shape, dtype=torch.float64, requires_grad=True)
+            b = torch.ones(b_shape, dtype=torch.float64, requires_grad=True)
+            if fn == "fused":
+                _, (out,) = fastmesh.all_gather_matmul(a, [b], gather_dim)
+            else:
+                _, (out,) = ref.all_gather_matmul(a, [b], gather_dim, name)
+            out.sum().backward()
+            grads.append((a.grad, b.grad))
+        for got, want in zip(*grads):
+            assert got.shape == want.shape and torch.equal(got, want), (shard_shape, got, want)
+    a = torch.zeros(4, 0, dtype=torch.float64, requires_grad=True)
+    b = torch.ones(0, 6, dtype=torch.float64, requires_grad=True)
+    fastmesh.matmul_reduce_scatter(a, b, 0).sum().backward()
+    assert a.grad.shape == (4, 0) and torch.equal(b.grad, torch.zeros(0, 6, dtype=torch.float64))
+
+
 def _scatter_cases(world):
     for (rows, k), scatter_dim, reduce_op, chunks in itertools.product(
         ROW_CASES, (0, 1, 2, -1), ("sum", "avg"), (0, 3)

@@ -38,15 +38,18 @@ inline at::Tensor rank_block(const at::Tensor& blocks, const pipeline::RowLayout
   return blocks.narrow(0, piece.unit_begin, piece.units()).select(1, rank);
 }
 
-// A contiguous [rows, C] piece as the [B, rows', C] batch rank_block() gives for the same piece.
+// A contiguous [rows, C] piece as the [B, rows', C] batch rank_block() gives for the same piece. (Sizes are
+// computed, not inferred with -1: C may be 0.)
 inline at::Tensor as_block(const at::Tensor& piece_rows, const pipeline::RowLayout& layout) {
-  return piece_rows.view({-1, layout.outer == 1 ? piece_rows.size(0) : layout.inner, piece_rows.size(-1)});
+  const int64_t rows = piece_rows.size(0);
+  if (layout.outer == 1) return piece_rows.view({1, rows, piece_rows.size(-1)});
+  return piece_rows.view({layout.inner > 0 ? rows / layout.inner : 0, layout.inner, piece_rows.size(-1)});
 }
 
 // A [batch, rows, cols] tensor as one [batch * rows, cols] matrix, when its batch stride continues its row
 // stride (a strided matrix BLAS takes as it is); undefined otherwise.
 inline at::Tensor folded_rows(const at::Tensor& t) {
-  if (t.size(0) == 1 || t.stride(0) == t.size(1) * t.stride(1)) return t.view({-1, t.size(2)});
+  if (t.size(0) == 1 || t.stride(0) == t.size(1) * t.stride(1)) return t.view({t.size(0) * t.size(1), t.size(2)});
   return at::Tensor();
 }
 

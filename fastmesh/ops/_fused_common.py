@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -78,8 +79,9 @@ def scattered_shape(a_shape, n: int, dim: int, world: int) -> list:
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a matrix: leading dims flattened."""
-    return t.reshape(-1, t.shape[-1])
+    """``t`` as a matrix: leading dims flattened. The row count is computed, not inferred: ``reshape(-1, 0)``
+    is ambiguous for a tensor with an empty last dim."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def input_grad_operands(bs, grads) -> tuple[torch.Tensor, torch.Tensor]:

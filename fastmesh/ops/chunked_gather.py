@@ -336,7 +336,7 @@ def all_gather_chunked_matmul(shard: torch.Tensor, bs: list[torch.Tensor], gathe
     outs = []
     for b in bs:
         out = torch.empty(full_shape[:-1] + [b.shape[1]], dtype=shard.dtype, device=device)
-        cm.launch_chunked_matmul(plan, arrival, b, out.view(-1, b.shape[1]), flags.view(-1), error,
+        cm.launch_chunked_matmul(plan, arrival, b, out.view(plan.out_rows, b.shape[1]), flags.view(-1), error,
                                  max_spins=cm.DEFAULT_MAX_SPINS if max_spins is None else max_spins,
                                  max_programs=consumer_programs(device))
         outs.append(out)
