@@ -136,6 +136,26 @@ def test_fp8_fronts_track_high_precision_forward_and_backward():
 
 
 @on_ranks(2)
+def test_fp8_reduce_scatter_of_columns_has_a_high_precision_dgrad():
+    """Scattering the last dim (columns): the dgrad gathers the contraction dim, which the FP8 gather cannot take,
+    so even with backward_in_fp8 it runs in the input dtype, as with backward_in_fp8=False (found by a randomized
+    sweep: the backward raised)."""
+    rank = dist.get_rank()
+    granularity = "rowwise" if ROWWISE_ON_CPU else "tensorwise"
+    grads = []
+    for backward_in_fp8 in (True, False):
+        a = randn((3, 8, 32), torch.bfloat16, seed=rank).requires_grad_()
+        b = randn((32, 12), torch.bfloat16, seed=1).requires_grad_()
+        config = Float8Config(granularity=granularity, backward_in_fp8=backward_in_fp8)
+        y = fastmesh.matmul_reduce_scatter(a, b, -1, fp8=config)
+        assert y.shape == (3, 8, 6)
+        (y.float() * randn(y.shape, torch.float32, seed=3 + rank)).sum().backward()
+        grads.append((a.grad, b.grad))
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
+
+
+@on_ranks(2)
 def test_fp8_front_gathered_a_gradient_passes_straight_through():
     """The dequantized gathered a that the fp8 front returns is differentiable: its gradient is reduce-scattered
     into a_shard's (added to the products' terms), exactly as the high-precision op's gathered a."""

@@ -36,7 +36,9 @@ high-precision inputs with :func:`fastmesh.fp8.quantize` (each b per output colu
 the backward is
 
 * dgrad (the gradient of the gathered / scattered operand): the other fused op, in FP8 when
-  ``backward_in_fp8`` (gradients quantized to ``grad_dtype``, the weights per row), else in the input dtype;
+  ``backward_in_fp8`` (gradients quantized to ``grad_dtype``, the weights per row), else in the input dtype.
+  A reduce-scatter of the last dim (columns) is the exception: its dgrad gathers the contraction dim, which
+  the FP8 gather cannot take, so that dgrad runs in the input dtype;
 * wgrad: in the input dtype, from the FP8 activation saved by the forward (``a_full`` dequantized), as in
   torchao's "gradient of the weight in high precision" row-wise recipe: a transposed FP8 copy of the
   gathered activation would cost another quantize pass.
@@ -251,6 +253,9 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
         ctx.config, ctx.group_name, ctx.scatter_dim, ctx.reduce_op, ctx.chunks = (
             config, group_name, scatter_dim, reduce_op, chunks)
         ctx.dtype = a.dtype
+        # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which
+        # the FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype.
+        ctx.dgrad_in_fp8 = config.backward_in_fp8 and scatter_dim % a.dim() != a.dim() - 1
         ctx.save_for_backward(a, b)
         return out
 
@@ -261,7 +266,7 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
         if ctx.reduce_op == "avg":
             grad_out = grad_out / group_size(ctx.group_name, _RS)
         grad_a = grad_b = grad_c = None
-        if ctx.config.backward_in_fp8:
+        if ctx.dgrad_in_fp8:
             g_data, g_scale = _quantize_rows(grad_out, ctx.config.grad_dtype, ctx.config)
             bt_data, bt_scale = _quantize_columns(b.t(), ctx.config.dtype, ctx.config)
             g_full, g_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
