@@ -410,7 +410,13 @@ def test_dtensor_placement_errors():
         (lambda: fastmesh.all_gather_matmul(x, [distribute_tensor(w, mesh, [Shard(0)])], 0),
          ValueError, r"bs\[0\] must be placed Replicate\(\) or Shard\(1\), got Shard\(dim=0\)"),
         (lambda: fastmesh.matmul_reduce_scatter(x, w, 0), ValueError, r"a must be placed Shard\(1\)"),
+        # Uneven shards ([3, 6] and [2, 6] of a [5, 6]) would reach gloo with different shapes on the two ranks
+        # (it aborts the process once the first call's shape check is behind): refused from the global shape.
+        (lambda: fastmesh.all_gather_matmul(uneven, [w], 0), ValueError,
+         r"a_shard is sharded unevenly: its global size 5 along gather_dim 0 is not divisible by the mesh size 2"),
     ]
+    uneven = DTensor.from_local(torch.randn(3 - dist.get_rank(), 6), mesh, [Shard(0)], run_check=False,
+                                shape=torch.Size([5, 6]), stride=(6, 1))
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()

@@ -77,6 +77,12 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, chunks, f
     if a_shard.placements[0] != Shard(dim):
         raise ValueError(f"{op}: a_shard must be placed Shard({gather_dim}) (sharded along gather_dim), "
                          f"got {a_shard.placements[0]!r}")
+    if a_shard.shape[dim] % mesh.size():
+        # Uneven shards have different shapes on different ranks, which the transfers cannot take (gloo aborts
+        # the process); the global shape tells, without communicating.
+        raise ValueError(f"{op}: a_shard is sharded unevenly: its global size {a_shard.shape[dim]} along gather_dim "
+                         f"{gather_dim} is not divisible by the mesh size {mesh.size()} (the fused ops gather equal "
+                         "shards)")
     contraction = dim == a_shard.dim() - 1
     locals_, placements = [], []
     for i, b in enumerate(bs):
