@@ -22,12 +22,15 @@ _reduce_scatter = getattr(funcol, "reduce_scatter_single_autograd", None) or fun
 
 def all_gather(t: torch.Tensor, gather_dim: int, group_name: str) -> torch.Tensor:
     """Every rank's ``t`` concatenated along ``gather_dim`` in rank order; backward: a sum reduce-scatter."""
-    return _all_gather(t, gather_dim, group_name)
+    # Non-negative: torch's functional all-gather fails on some negative gather dims (torch 2.14, 2 ranks: a
+    # [1, 4, 3] shard along -3 or -1, a [1, 2, 3, 3] one along -4 or -1 raise in its view; the same dims counted
+    # from 0 work).
+    return _all_gather(t, gather_dim % t.dim(), group_name)
 
 
 def reduce_scatter(t: torch.Tensor, scatter_dim: int, group_name: str, reduce_op: str = "sum") -> torch.Tensor:
     """Block ``rank`` of ``t`` along ``scatter_dim``, summed (``"avg"``: averaged) over the ranks."""
-    out = _reduce_scatter(t, "sum", scatter_dim, group_name)
+    out = _reduce_scatter(t, "sum", scatter_dim % t.dim(), group_name)
     # Averaged after the sum: gloo has no AVG reduction.
     return out / _resolve_process_group(group_name).size() if reduce_op == "avg" else out
 

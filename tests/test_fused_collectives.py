@@ -144,6 +144,77 @@ def test_one_dim_and_empty_inputs():
     assert torch.equal(got, torch.zeros(2, 4))
 
 
+def _random_gather_call(r, rank, world):
+    """A random valid all_gather_matmul call: 1-4 dims, any gather dim, empty dims now and then, 1-3 bs (some
+    transposed, some with no columns), return_a either way, any piece count."""
+    ndim = r.randint(1, 4)
+    shape = [r.randint(0 if r.random() < 0.05 else 1, 5) for _ in range(ndim)]
+    dim = r.randrange(-ndim, ndim)
+    k = shape[-1] * (world if dim % ndim == ndim - 1 else 1)
+    bs = []
+    for i in range(r.randint(1, 3)):
+        n = r.randint(0, 6)
+        bs.append(small_ints((n, k), torch.float64, seed=r.randrange(10**6)).t() if r.random() < 0.5
+                  else small_ints((k, n), torch.float64, seed=r.randrange(10**6)))
+    a = small_ints(shape, torch.float64, seed=r.randrange(10**6) + rank)
+    return a, bs, dim, r.random() < 0.5, r.choice([None, 1, 2, 3, 7])
+
+
+def _random_scatter_call(r, rank, world):
+    """A random valid matmul_reduce_scatter call: any scatter dim, empty dims now and then, either reduce op."""
+    ndim = r.randint(1, 4)
+    shape = [r.randint(0 if r.random() < 0.1 else 1, 4) for _ in range(ndim)]
+    dim = r.randrange(-ndim, ndim)
+    n = r.randint(0, 4)
+    if dim % ndim == ndim - 1:
+        n *= world
+    else:
+        shape[dim % ndim] *= world
+    a = small_ints(shape, torch.float64, seed=r.randrange(10**6) + rank)
+    b = small_ints((shape[-1], n), torch.float64, seed=r.randrange(10**6) + rank)
+    return a, (b.t().contiguous().t() if r.random() < 0.5 else b), dim, r.choice(["sum", "avg"]), r.choice([None, 1, 2, 5])
+
+
+@on_ranks(2, 4)
+def test_random_calls_match_the_reference():
+    """A seeded sweep over the valid arguments of both ops (float64 small integers: every result exact), forward and
+    backward against the reference. Such a sweep found the empty-last-dim backward bug."""
+    import random
+
+    rank, world, name = dist.get_rank(), dist.get_world_size(), _world_name()
+    r = random.Random(2026)  # the same calls on every rank
+    for call in range(40):
+        a, bs, dim, return_a, chunks = _random_gather_call(r, rank, world)
+        case = f"call {call}: all_gather_matmul a {list(a.shape)}, bs {[list(b.shape) for b in bs]}, dim {dim}"
+        results = []
+        for fn in ("fused", "reference"):
+            a_in = a.clone().requires_grad_()
+            bs_in = [b.detach().clone().requires_grad_() for b in bs]
+            if fn == "fused":
+                a_full, outs = fastmesh.all_gather_matmul(a_in, bs_in, dim, return_a=return_a, chunks=chunks)
+            else:
+                a_full, outs = ref.all_gather_matmul(a_in, bs_in, dim, name, return_a=return_a)
+            loss = sum((o * (i + 2)).sum() for i, o in enumerate(outs)) + (a_full.sum() if return_a else 0)
+            loss.backward()
+            results.append([a_full, *outs, a_in.grad, *(b.grad for b in bs_in)])
+        for got, want in zip(*results):
+            assert (got is None and want is None) or torch.equal(got, want), case
+        a, b, dim, reduce_op, chunks = _random_scatter_call(r, rank, world)
+        case = f"call {call}: matmul_reduce_scatter a {list(a.shape)}, b {list(b.shape)}, dim {dim}, {reduce_op}"
+        results = []
+        for fn in ("fused", "reference"):
+            a_in, b_in = a.clone().requires_grad_(), b.detach().clone().requires_grad_()
+            if fn == "fused":
+                out = fastmesh.matmul_reduce_scatter(a_in, b_in, dim, reduce_op=reduce_op, chunks=chunks)
+            else:
+                out = ref.matmul_reduce_scatter(a_in, b_in, dim, reduce_op, name)
+            (out * 3).sum().backward()
+            results.append([out, a_in.grad, b_in.grad])
+        for got, want in zip(*results):
+            assert got.shape == want.shape, case
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=case)  # avg divides: not exact
+
+
 @on_ranks(2)
 def test_empty_inputs_have_empty_gradients():
     """Backward through shards with no columns (K = 0) or no rows: zero gradients of the right shapes, as
