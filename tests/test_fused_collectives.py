@@ -508,6 +508,8 @@ def _bad_all_gather_calls(world):
         (dict(a_shard=a, bs=[b.to("meta")], gather_dim=0), ValueError, r"bs\[0\] must be on a_shard's device cpu"),
         (dict(a_shard=a, bs=[b], gather_dim=2), ValueError, r"gather_dim must be in \[-2, 1\] for a_shard with 2 dim"),
         (dict(a_shard=a, bs=[], gather_dim=0), ValueError, r"bs must hold at least one matrix"),
+        (dict(a_shard=a, bs=b, gather_dim=0), TypeError,
+         r"bs must be a list of matrices, got a Tensor of shape \[6, 5\]; pass \[b\] for one"),
         (dict(a_shard=a, bs=[b.view(6, 5, 1)], gather_dim=0), ValueError, r"bs\[0\] must have 2 dim\(s\)"),
         (dict(a_shard=a.int(), bs=[b], gather_dim=0), TypeError, r"a_shard must be float32, bfloat16, float16"),
         (dict(a_shard=a, bs=[b], gather_dim=0, chunks=-1), ValueError, r"chunks must be an int >= 0"),

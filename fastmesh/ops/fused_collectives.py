@@ -336,6 +336,9 @@ def all_gather_matmul(
         >>> a.shape, q.shape
         (torch.Size([8, 8]), torch.Size([8, wq.shape[1]]))
     """
+    if isinstance(bs, torch.Tensor):  # iterating it would split one matrix into rows
+        raise TypeError(f"fastmesh.all_gather_matmul: bs must be a list of matrices, got a Tensor of shape "
+                        f"{list(bs.shape)}; pass [b] for one")
     if _dtensor.is_dtensor(a_shard) or any(_dtensor.is_dtensor(b) for b in bs):
         return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, chunks, fp8)
     name = _group_name_of(group)
