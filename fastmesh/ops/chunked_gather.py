@@ -333,12 +333,13 @@ def all_gather_chunked_matmul(shard: torch.Tensor, bs: list[torch.Tensor], gathe
     transport.start(layout, blocks, list(flags))
     full_shape = list(shard.shape)
     full_shape[gather_dim] *= world
+    spins = cm.DEFAULT_MAX_SPINS if max_spins is None else max_spins
+    programs = consumer_programs(device)  # once per call, not per b: it reads the settings and the device
     outs = []
     for b in bs:
         out = torch.empty(full_shape[:-1] + [b.shape[1]], dtype=shard.dtype, device=device)
         cm.launch_chunked_matmul(plan, arrival, b, out.view(plan.out_rows, b.shape[1]), flags.view(-1), error,
-                                 max_spins=cm.DEFAULT_MAX_SPINS if max_spins is None else max_spins,
-                                 max_programs=consumer_programs(device))
+                                 max_spins=spins, max_programs=programs)
         outs.append(out)
     transport.join()
     a_full = None
