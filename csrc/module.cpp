@@ -1,7 +1,7 @@
-// The Python module fastmesh._C. Kernels register themselves with the dispatcher from their own files
-// (TORCH_LIBRARY_IMPL); this file exposes what Python needs to know about the build, the pipeline schedule,
-// and the pieces of the fused all-gather that its Python CUDA kernel (fastmesh/ops/fused_collectives.py)
-// combines.
+// The Python module fastmesh._C. The FP8 cast kernels register themselves with the dispatcher from their own
+// files (TORCH_LIBRARY_IMPL); this file exposes what Python needs to know about the build and the pipeline
+// schedule, and the fused collectives, whose kernels are Python functions that pick a plan per call
+// (fastmesh/ops/plans.py) and run it through these.
 #include <pybind11/pybind11.h>
 
 #include <pybind11/stl.h>
@@ -13,7 +13,7 @@
 
 #include "fastmesh/build_info.h"  // generated at build time by fastmesh/_build_config.py
 #include "fastmesh/pipeline.h"
-#include "fused/all_gather_matmul.h"
+#include "fused/fused_ops.h"
 #include "fused/process_group.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -50,15 +50,48 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the last), as [(first row, end row)] of the shard's rows (leading dims flattened): the pieces the CPU "
       "kernel sends, with `requested` pieces (0: chosen from the size).",
       pybind11::arg("sizes"), pybind11::arg("dim"), pybind11::arg("element_size"), pybind11::arg("requested"));
+  // The fused collectives, with the schedule the ops' kernels chose (fastmesh/ops/plans.py). The GIL is
+  // released: a call waits on its peers for as long as the group's timeout.
+  const auto gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  using pybind11::arg;
   m.def(
-      "all_gather_matmul_pipelined",
+      "all_gather_matmul",
       [](const at::Tensor& a_shard, const std::vector<at::Tensor>& bs, int64_t gather_dim, const std::string& group_name,
-         bool return_a, int64_t chunks) {
-        return fastmesh::fused::all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, chunks);
+         bool return_a, int64_t chunks, const std::string& split) {
+        return fastmesh::fused::all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, chunks, split);
       },
-      "fastmesh::all_gather_matmul's device-agnostic pipeline (the CPU kernel), for the CUDA kernel's fallback.",
-      pybind11::arg("a_shard"), pybind11::arg("bs"), pybind11::arg("gather_dim"), pybind11::arg("group_name"),
-      pybind11::arg("return_a"), pybind11::arg("chunks"), pybind11::call_guard<pybind11::gil_scoped_release>());
+      "fastmesh::all_gather_matmul with the given schedule (split \"rows\" with `chunks` pieces, or \"none\").",
+      arg("a_shard"), arg("bs"), arg("gather_dim"), arg("group_name"), arg("return_a"), arg("chunks"), arg("split"), gil);
+  m.def(
+      "matmul_reduce_scatter",
+      [](const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim, const std::string& reduce_op,
+         const std::string& group_name, int64_t chunks, const std::string& split) {
+        return fastmesh::fused::matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, chunks, split);
+      },
+      "fastmesh::matmul_reduce_scatter with the given schedule (split \"rows\", \"columns\" or \"none\").",
+      arg("a"), arg("b"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("chunks"), arg("split"), gil);
+  m.def(
+      "all_gather_scaled_matmul",
+      [](const at::Tensor& a_shard, const at::Tensor& a_scale, const std::vector<at::Tensor>& bs,
+         const std::vector<at::Tensor>& b_scales, int64_t gather_dim, const std::string& group_name,
+         at::ScalarType out_dtype, bool return_a, int64_t chunks, const std::string& split) {
+        return fastmesh::fused::all_gather_scaled_matmul(a_shard, a_scale, bs, b_scales, gather_dim, group_name,
+                                                         out_dtype, return_a, chunks, split);
+      },
+      "fastmesh::all_gather_scaled_matmul with the given schedule.", arg("a_shard"), arg("a_scale"), arg("bs"),
+      arg("b_scales"), arg("gather_dim"), arg("group_name"), arg("out_dtype"), arg("return_a"), arg("chunks"),
+      arg("split"), gil);
+  m.def(
+      "scaled_matmul_reduce_scatter",
+      [](const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
+         int64_t scatter_dim, const std::string& reduce_op, const std::string& group_name, at::ScalarType out_dtype,
+         int64_t chunks, const std::string& split) {
+        return fastmesh::fused::scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op,
+                                                             group_name, out_dtype, chunks, split);
+      },
+      "fastmesh::scaled_matmul_reduce_scatter with the given schedule.", arg("a"), arg("a_scale"), arg("b"),
+      arg("b_scale"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("out_dtype"), arg("chunks"),
+      arg("split"), gil);
   m.def(
       "check_same_shape_on_all_ranks",
       [](const at::Tensor& tensor, const std::string& group_name, const std::string& op, const std::string& arg) {

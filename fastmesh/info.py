@@ -8,9 +8,11 @@ the problems are printed and the exit code is 1.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 import fastmesh
 from fastmesh import _cpp_lib
+from fastmesh.ops import plans
 from fastmesh.ops._library import NAMESPACE
 
 _DISPATCH_KEY_LINE = re.compile(r"^(\w+)(?:\[alias\])?: registered at ")
@@ -108,10 +111,34 @@ def _cuda_gather_report() -> dict[str, Any]:
         return {"path": None, "error": str(error)}
 
 
+def _tuning_report() -> dict[str, Any]:
+    """How the fused ops choose their plans (``FASTMESH_TUNE``) and the plan cache they read."""
+    try:
+        mode, error = plans.mode(), None
+    except ValueError as invalid:
+        mode, error = None, str(invalid)
+    cache = plans.cache()
+    # The cache warns and counts as empty when it cannot parse its file; here that is worth a line, not a warning.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        entries = len(cache.entries())
+        sections = len(cache.sections())
+    return {
+        "mode": mode,
+        "env": os.environ.get(plans.ENV_MODE),
+        "error": error,
+        "cache": {"path": cache.path, "exists": os.path.exists(cache.path), "section": cache.section,
+                  "entries": entries, "sections": sections,
+                  "unreadable": str(caught[0].message) if caught else None},
+    }
+
+
 def _problems(report: dict[str, Any]) -> list[str]:
     problems = []
     if report["cuda_all_gather_matmul"]["error"]:
         problems.append(report["cuda_all_gather_matmul"]["error"])
+    if report["tuning"]["error"]:
+        problems.append(report["tuning"]["error"])
     extension = report["extension"]
     if not extension["loaded"]:
         problems.append(extension["error"])
@@ -140,6 +167,7 @@ def collect() -> dict[str, Any]:
         "symmetric_memory": _symmetric_memory_report(),
         "triton": _triton_report(),
         "cuda_all_gather_matmul": _cuda_gather_report(),
+        "tuning": _tuning_report(),
     }
     report["ops"] = {op: kernel_dispatch_keys(op) for op in fastmesh_ops()}
     report["problems"] = _problems(report)
@@ -190,6 +218,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"symmetric mem   {_yes_no(symm['available'])}: {symm['reason']}")
     gather = report["cuda_all_gather_matmul"]
     lines.append(f"CUDA all-gather {gather['path'] or 'unknown: ' + gather['error']}")
+    lines += _tuning_lines(report["tuning"])
     lines.append("")
     if report["usable"]:
         lines.append("status          usable")
@@ -197,6 +226,22 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("status          NOT USABLE")
         lines += [f"  - {problem}" for problem in report["problems"]]
     return "\n".join(lines)
+
+
+def _tuning_lines(tuning: dict[str, Any]) -> list[str]:
+    if tuning["error"]:
+        mode = f"INVALID: {tuning['error']}"
+    else:
+        mode = f"{plans.ENV_MODE}={tuning['mode']}" + ("" if tuning["env"] else " (the default)")
+    cache = tuning["cache"]
+    if cache["unreadable"]:
+        state = cache["unreadable"]
+    elif cache["exists"]:
+        state = (f"{cache['entries']} plan(s) for this machine (section {cache['section']}), "
+                 f"{cache['sections']} section(s)")
+    else:
+        state = "not written yet (fastmesh tune, or FASTMESH_TUNE=measure, writes it)"
+    return [f"plan choice     {mode}", f"plan cache      {cache['path']}: {state}"]
 
 
 def main(as_json: bool = False) -> int:

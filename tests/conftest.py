@@ -21,6 +21,8 @@ def pytest_configure(config):
     # rank processes, which inherit this environment.
     _inductor_cache_dir = tempfile.mkdtemp(prefix="fastmesh-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir
+    # Plans measured on an earlier run (or by the user) must not steer the tests: an empty cache of their own.
+    os.environ["FASTMESH_TUNE_CACHE"] = os.path.join(_inductor_cache_dir, "fastmesh-plans.json")
 
 
 def pytest_unconfigure(config):

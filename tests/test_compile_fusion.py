@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import pytest
 import torch
@@ -59,9 +60,13 @@ class _GraphCensus:
 
 
 @contextlib.contextmanager
-def _fusion(strict=False, census=None):
+def _fusion(strict=False, census=None, tune="off"):
     """The pass installed (after ``census``, which therefore runs after it), a fresh report, and inductor's
-    caches off: a graph served from a cache (here: one another rank or test compiled) does not run the pass."""
+    caches off: a graph served from a cache (here: one another rank or test compiled) does not run the pass.
+    ``tune``: FASTMESH_TUNE inside the block; "off" (the fixed plan, always fused) for the tests of what the
+    pass can fuse, whose shapes are too small for fusing to pay."""
+    saved_tune = os.environ.get("FASTMESH_TUNE")
+    os.environ["FASTMESH_TUNE"] = tune
     saved = inductor_config.post_grad_custom_post_pass
     inductor_config.post_grad_custom_post_pass = census
     fastmesh.compile.enable_fusion(strict=strict)
@@ -74,6 +79,10 @@ def _fusion(strict=False, census=None):
         fastmesh.compile.disable_fusion()
         inductor_config.post_grad_custom_post_pass = saved
         torch._dynamo.reset()
+        if saved_tune is None:
+            os.environ.pop("FASTMESH_TUNE")
+        else:
+            os.environ["FASTMESH_TUNE"] = saved_tune
 
 
 def _randn(shape, seed):
@@ -447,6 +456,40 @@ def test_unfusable_patterns_are_reported_and_strict_raises(name):
     assert any(left.node in m and reason in m for m in records.messages), records.messages
     # The compile error names the collective's node and the reason.
     assert left.node in str(raised.value) and reason in str(raised.value), str(raised.value)
+
+
+# ---- collectives whose plan is the unfused sequence are left, as not profitable ----
+
+@on_ranks(2, timeout=300)
+def test_unprofitable_collectives_are_left_and_strict_accepts_them():
+    """With the planner on (the default mode), the tiny shapes of these graphs are latency-bound: the op's
+    plan would be the unfused sequence, so the pass leaves them, says why with the figures, and strict mode
+    does not fail. A measured plan in the cache that says otherwise makes the pass fuse."""
+    from fastmesh.ops import plans
+    from fastmesh.ops.fused_collectives import gather_plan_call
+
+    inputs = _inputs()
+    with torch.no_grad():
+        want = _gather_two_matmuls_and_another_use(*inputs)
+        with _fusion(strict=True, tune="model"):
+            got = torch.compile(_gather_two_matmuls_and_another_use, fullgraph=True)(*inputs)
+            report = fastmesh.compile.fusion_report()
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **TOLERANCE)
+        [entry] = report.entries
+        assert not entry.fused and entry.unprofitable, str(report)
+        assert "not profitable: fastmesh::all_gather_matmul's plan for these shapes is unfused (model: " \
+            in entry.detail and "left (not profitable)" in str(report), str(report)
+
+        x, w, _ = inputs  # the fused call's operands: the [2, 3, 10] shard gathered along dim 1, by w and 2w
+        call = gather_plan_call(x.reshape(2, -1, x.shape[-1]), [w, 2 * w], 1, fastmesh.group_name(dist.group.WORLD))
+        plans.cache().store(call.key, {"split": "rows", "pieces": 2, "ms": {"rowsx2": 1.0, "unfused": 2.0}})
+        with _fusion(strict=True, tune="model"):
+            got = torch.compile(_gather_two_matmuls_and_another_use, fullgraph=True)(*inputs)
+            report = fastmesh.compile.fusion_report()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOLERANCE)
+    assert [e.fused_into for e in report.entries] == ["fastmesh.all_gather_matmul"], str(report)
 
 
 # ---- torch's own async TP pass enabled too ----

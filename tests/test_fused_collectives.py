@@ -600,18 +600,17 @@ def test_shard_shapes_that_differ_across_ranks_raise_on_every_rank():
 
 
 @on_ranks(2)
-def test_path_is_logged_once():
-    from fastmesh.ops import _fused_common
-    from log_capture import path_log
+def test_plan_is_logged_once_per_key():
+    from log_capture import plan_log
 
-    with path_log() as messages:
+    with plan_log() as messages:
         for _ in range(2):
             fastmesh.all_gather_matmul(torch.randn(2, 4), [torch.randn(4, 3)], 0)
             fastmesh.matmul_reduce_scatter(torch.randn(4, 4), torch.randn(4, 3), 0)
-    assert messages == [
-        "fastmesh.all_gather_matmul on cpu runs " + _fused_common._PATHS["cpu"],
-        "fastmesh.matmul_reduce_scatter on cpu runs " + _fused_common._PATHS["cpu"],
-    ], messages
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("fastmesh::all_gather_matmul [fastmesh::all_gather_matmul|gloo|cpu|a=[2, 4]|ns=[3]|")
+    assert messages[1].startswith("fastmesh::matmul_reduce_scatter [fastmesh::matmul_reduce_scatter|gloo|cpu|a=[4, 4]|")
+    assert all(": plan " in m and "(model: " in m for m in messages), messages
 
 
 @on_ranks(2)

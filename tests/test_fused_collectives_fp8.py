@@ -20,6 +20,7 @@ import fastmesh
 from fastmesh.fp8 import Float8Config
 from fastmesh.kernels import fused_reference as ref
 from comm_counts import c10d_calls, p2p_pieces
+from environment import environment
 from rank_pool import on_ranks
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -193,9 +194,14 @@ def _opcheck_fp8(op, args):
 
 @on_ranks(2, 4)
 def test_fp8_ops_on_cpu_move_one_piece_per_rank_by_default(world_size):
-    """torch's CPU _scaled_mm converts all of b on every call, so the automatic piece count on CPU is one per
-    rank block (csrc/fused/scaled.h); an explicit count is honoured. 512 rows of 4 KiB per rank would make the
-    size-based count 2."""
+    """torch's CPU _scaled_mm converts all of b on every call, so the fixed rule's piece count on CPU
+    (FASTMESH_TUNE=off) is one per rank block (csrc/fused/scaled.h); an explicit count is honoured. 512 rows of
+    4 KiB per rank would make the size-based count 2."""
+    with environment(FASTMESH_TUNE="off"):
+        _fp8_pieces_by_the_fixed_rule(world_size)
+
+
+def _fp8_pieces_by_the_fixed_rule(world_size):
     name = _world_name()
     a = fp8_ints((512 * world_size, 64), E4M3, seed=dist.get_rank())
     b = fp8_ints((4096, 64), E4M3, seed=1).t()

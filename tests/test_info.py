@@ -10,6 +10,7 @@ import torch
 
 import fastmesh
 from fastmesh import _cpp_lib, info
+from fastmesh.ops.plan_cache import PlanCache
 
 
 def run_cli(*args, env=None, prelude=""):
@@ -77,7 +78,7 @@ def test_front_raises_extension_error_when_kernels_missing():
 def test_report_text_lists_sections():
     text = info.format_report(info.collect())
     for heading in ("fastmesh ", "torch ", "triton ", "fastmesh._C ", "ops (dispatch keys", "CUDA ", "distributed ",
-                    "symmetric mem ", "CUDA all-gather ", "status "):
+                    "symmetric mem ", "CUDA all-gather ", "plan choice ", "plan cache ", "status "):
         assert heading in text, heading
 
 
@@ -103,3 +104,42 @@ def test_reports_the_cuda_all_gather_path(monkeypatch):
     assert not report["usable"]
     assert report["problems"][0] == "FASTMESH_CONSUMER_FREE_SMS must be an int >= 1 (SMs kept free for the " \
         "transfers), got '0'"
+
+
+def test_reports_the_plan_choice_and_the_plan_cache(monkeypatch, tmp_path):
+    """FASTMESH_TUNE (a bad value is a problem) and the plan cache: its path, this machine's plans, its sections."""
+    path = tmp_path / "plans.json"
+    monkeypatch.setenv("FASTMESH_TUNE_CACHE", str(path))
+    monkeypatch.delenv("FASTMESH_TUNE", raising=False)
+    report = info.collect()
+    assert report["tuning"] == {"mode": "model", "env": None, "error": None, "cache": {
+        "path": str(path), "exists": False, "section": PlanCache().section, "entries": 0, "sections": 0,
+        "unreadable": None}}
+    text = info.format_report(report)
+    assert "plan choice     FASTMESH_TUNE=model (the default)" in text
+    assert f"plan cache      {path}: not written yet" in text
+
+    here, elsewhere = PlanCache(str(path)), PlanCache(str(path), section="another-machine")
+    here.store("key-1", {"split": "rows", "pieces": 2})
+    here.store("key-2", {"split": "none", "pieces": 1})
+    elsewhere.store("key-1", {"split": "rows", "pieces": 4})
+    monkeypatch.setenv("FASTMESH_TUNE", "measure")
+    report = info.collect()
+    assert report["usable"], report["problems"]
+    assert report["tuning"]["mode"] == "measure" and report["tuning"]["cache"]["exists"]
+    assert (report["tuning"]["cache"]["entries"], report["tuning"]["cache"]["sections"]) == (2, 2)
+    text = info.format_report(report)
+    assert "plan choice     FASTMESH_TUNE=measure\n" in text
+    assert f"plan cache      {path}: 2 plan(s) for this machine (section {here.section}), 2 section(s)" in text
+
+    path.write_text("not json")
+    report = info.collect()
+    assert report["usable"]  # the ops ignore an unreadable cache (the cost model decides): worth a line, not a problem
+    assert report["tuning"]["cache"]["unreadable"].startswith(f"fastmesh: ignoring the plan cache {path} (")
+
+    monkeypatch.setenv("FASTMESH_TUNE", "fast")
+    report = info.collect()
+    assert not report["usable"]
+    assert report["problems"] == ["FASTMESH_TUNE must be one of off, model, measure, got 'fast'"]
+    assert "plan choice     INVALID: FASTMESH_TUNE must be one of off, model, measure, got 'fast'" in \
+        info.format_report(report)

@@ -1,5 +1,6 @@
 // fastmesh::all_gather_matmul: all-gather a_shard along gather_dim and multiply by each b, the transfer of
-// one piece overlapping the multiply of the previous one (schedule: fastmesh/pipeline.h).
+// one piece overlapping the multiply of the previous one (schedule: fastmesh/pipeline.h), or, as the call's
+// plan says, the whole gather and then one multiply per b.
 //
 // The kernel only talks to c10d through its ProcessGroup, so the same code runs on CPU tensors (gloo: a
 // wait blocks the host until the piece has arrived) and on CUDA tensors (NCCL: the transfers run on
@@ -15,9 +16,8 @@
 #include <tuple>
 #include <vector>
 
-#include "all_gather_matmul.h"
 #include "checks.h"
-#include "register.h"
+#include "fused_ops.h"
 #include "gather_pipeline.h"
 
 namespace fastmesh {
@@ -71,14 +71,21 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
 
 std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul(
     const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim, c10::string_view group_name, bool return_a,
-    int64_t chunks) {
+    int64_t chunks, c10::string_view split) {
   check_matmul_operand(a_shard, kOp, "a_shard", 1, INT64_MAX);
   const int64_t dim = wrap_dim(gather_dim, a_shard.dim(), kOp, "gather_dim", "a_shard");
   check_chunks(chunks, kOp);
+  const pipeline::Split schedule = check_split(split, kOp);
+  TORCH_CHECK_VALUE(schedule != pipeline::Split::kColumns, kOp,
+                    ": split \"columns\" is a reduce-scatter schedule; an all-gather takes \"rows\" or \"none\"");
   TORCH_CHECK_VALUE(!bs.empty(), kOp, ": bs must hold at least one matrix, got an empty list");
   const Group group = resolve_group(group_name, kOp);
   const int64_t world = group->getSize();
   const bool contraction = dim == a_shard.dim() - 1;
+  // The contraction's partial products are summed in rank order whatever the plan (bitwise the same on every
+  // rank), so its only schedule is pieces of rows.
+  TORCH_CHECK_VALUE(!contraction || schedule == pipeline::Split::kRows, kOp,
+                    ": gathering the last dim takes split \"rows\" only, got \"", std::string(split), '"');
   const int64_t k_full = contraction ? a_shard.size(-1) * world : a_shard.size(-1);
   for (size_t i = 0; i < bs.size(); ++i) {
     const std::string arg = "bs[" + std::to_string(i) + "]";
@@ -117,6 +124,13 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
     return {a_full, outs};
   }
   const RowLayout layout = pipeline::row_layout(shard.sizes(), dim);
+  if (schedule == pipeline::Split::kNone) {  // the whole gather, then one multiply per b (b read once)
+    const at::Tensor gathered = a_full ? *a_full : at::empty(full_sizes, a_shard.options());
+    const at::Tensor blocks = rank_blocks_view(gathered, layout, world);
+    gather_rows(group, shard, dim, &blocks, 1, [](int64_t, Piece, const at::Tensor&) {});
+    for (size_t i = 0; i < bs.size(); ++i) at::matmul_out(outs[i], gathered, bs[i]);
+    return {a_full, outs};
+  }
   std::vector<at::Tensor> out_blocks;
   for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
   const at::Tensor a_blocks = a_full ? rank_blocks_view(*a_full, layout, world) : at::Tensor();
@@ -128,5 +142,3 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
 
 }  // namespace fused
 }  // namespace fastmesh
-
-FASTMESH_FUSED_CPU_KERNEL("all_gather_matmul", fastmesh::fused::all_gather_matmul)

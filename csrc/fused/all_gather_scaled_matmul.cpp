@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "checks.h"
-#include "register.h"
+#include "fused_ops.h"
 #include "gather_pipeline.h"
 #include "scaled.h"
 
@@ -26,9 +26,11 @@ std::vector<int64_t> rowwise_sizes(at::IntArrayRef sizes) {
   return out;
 }
 
+}  // namespace
+
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_scaled_matmul(
     const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales, int64_t gather_dim,
-    c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t chunks) {
+    c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t chunks, c10::string_view split) {
   check_fp8_operand(a_shard, kOp, "a_shard", 2, INT64_MAX);
   const int64_t dim = wrap_dim(gather_dim, a_shard.dim(), kOp, "gather_dim", "a_shard");
   TORCH_CHECK_VALUE(dim != a_shard.dim() - 1, kOp, ": the FP8 form gathers rows: gather_dim must not be the last dim (",
@@ -36,6 +38,12 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   bool any_rowwise = check_scale(a_scale, a_shard, rowwise_sizes(a_shard.sizes()), kOp, "a_scale", "a_shard");
   check_out_dtype(out_dtype, kOp);
   check_chunks(chunks, kOp);
+  const pipeline::Split schedule = check_split(split, kOp);
+  TORCH_CHECK_VALUE(schedule != pipeline::Split::kColumns, kOp,
+                    ": split \"columns\" is a reduce-scatter schedule; an all-gather takes \"rows\" or \"none\"");
+  // One multiply of the whole gathered a needs one scale per row: tensor-wise shards of several ranks differ.
+  TORCH_CHECK_VALUE(schedule != pipeline::Split::kNone || a_scale.dim() > 0, kOp,
+                    ": split \"none\" needs row-wise a_scale (one multiply over every rank's rows)");
   TORCH_CHECK_VALUE(!bs.empty(), kOp, ": bs must hold at least one matrix, got an empty list");
   TORCH_CHECK_VALUE(b_scales.size() == bs.size(), kOp, ": b_scales must hold one scale per b (", bs.size(), "), got ",
                     b_scales.size());
@@ -86,6 +94,19 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
     return mine.narrow(0, piece.unit_begin * layout.unit_rows, piece.units() * layout.unit_rows).view({-1, 1});
   };
 
+  if (schedule == pipeline::Split::kNone) {  // the whole gather, then one scaled multiply per b (b read once)
+    const at::Tensor gathered = a_full ? *a_full : at::empty(full_sizes, a_shard.options());
+    const at::Tensor gathered_bytes = rank_blocks_view(gathered.view(at::kByte), layout, world);
+    gather_rows(group, shard.view(at::kByte), dim, &gathered_bytes, 1, [](int64_t, Piece, const at::Tensor&) {});
+    if (world > 1) scales_transfer.wait(0);
+    const at::Tensor gathered_scale = a_scale_full ? *a_scale_full : at::empty(rowwise_sizes(full_sizes), a_scale.options());
+    rank_blocks_view(gathered_scale, layout, world).copy_(scales.view({world, layout.outer, layout.inner, 1}).permute({1, 0, 2, 3}));
+    const at::Tensor a_rows = rows_view(gathered), scale_rows = rows_view(gathered_scale);
+    for (size_t i = 0; i < bs.size(); ++i) {
+      scaled_mm_into(rows_view(outs[i]).unsqueeze(0), a_rows, scale_rows, bs[i], b_scales[i]);
+    }
+    return {a_full, a_scale_full, outs};
+  }
   std::vector<at::Tensor> out_blocks;
   for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
   const at::Tensor a_bytes = a_full ? rank_blocks_view(a_full->view(at::kByte), layout, world) : at::Tensor();
@@ -112,8 +133,5 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   return {a_full, a_scale_full, outs};
 }
 
-}  // namespace
 }  // namespace fused
 }  // namespace fastmesh
-
-FASTMESH_FUSED_KERNEL("all_gather_scaled_matmul", fastmesh::fused::all_gather_scaled_matmul)

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "fastmesh/checks.h"
+#include "fastmesh/pipeline.h"
 
 namespace fastmesh {
 namespace fused {
@@ -52,6 +53,14 @@ inline void check_reduce_op(c10::string_view reduce_op, const char* op) {
 
 inline void check_chunks(int64_t chunks, const char* op) {
   TORCH_CHECK_VALUE(chunks >= 0, op, ": chunks must be an int >= 0 (0 picks the count from the shapes), got ", chunks);
+}
+
+// The call's schedule (fastmesh/pipeline.h): "rows", "columns" or "none".
+inline pipeline::Split check_split(c10::string_view split, const char* op) {
+  pipeline::Split out;
+  TORCH_CHECK_VALUE(pipeline::parse_split(std::string(split), &out), op,
+                    ": split must be \"rows\", \"columns\" or \"none\", got \"", std::string(split), '"');
+  return out;
 }
 
 }  // namespace fused

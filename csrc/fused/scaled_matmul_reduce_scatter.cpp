@@ -1,4 +1,5 @@
-// fastmesh::scaled_matmul_reduce_scatter: the FP8 form of matmul_reduce_scatter. The multiplies are scaled
+// fastmesh::scaled_matmul_reduce_scatter: the FP8 form of matmul_reduce_scatter (pieces of rows or of b's
+// columns, or none, as the call's plan says). The multiplies are scaled
 // matmuls of FP8 operands into `out_dtype`; the product travels and is reduced in `out_dtype` (summing
 // FP8-rounded partial products would add an error per rank).
 
@@ -6,7 +7,7 @@
 #include <vector>
 
 #include "checks.h"
-#include "register.h"
+#include "fused_ops.h"
 #include "scaled.h"
 #include "scatter_pipeline.h"
 
@@ -19,9 +20,12 @@ constexpr const char* kOp = "fastmesh::scaled_matmul_reduce_scatter";
 using pipeline::Piece;
 using pipeline::RowLayout;
 
+}  // namespace
+
 at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                                         const at::Tensor& b_scale, int64_t scatter_dim, c10::string_view reduce_op,
-                                        c10::string_view group_name, at::ScalarType out_dtype, int64_t chunks) {
+                                        c10::string_view group_name, at::ScalarType out_dtype, int64_t chunks,
+                                        c10::string_view split) {
   check_fp8_operand(a, kOp, "a", 1, INT64_MAX);
   check_fp8_operand(b, kOp, "b", 2, 2);
   TORCH_CHECK_VALUE(b.device() == a.device(), kOp, ": b must be on a's device ", a.device(), ", got ", b.device());
@@ -36,6 +40,7 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
   check_reduce_op(reduce_op, kOp);
   check_out_dtype(out_dtype, kOp);
   check_chunks(chunks, kOp);
+  const pipeline::Split schedule = check_split(split, kOp);
   const Group group = resolve_group(group_name, kOp);
   const int64_t world = group->getSize();
   const int64_t n = b.size(1);
@@ -47,8 +52,34 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
   const at::Tensor a_rows = rows_view(a_dense);
   const at::Tensor a_scale_rows = a_rowwise_scale ? a_scale.contiguous().view({-1, 1}) : a_scale;
   at::Tensor a_blocks, scale_blocks;  // [P, W, Q, K] and [P, W, Q, 1] views (row blocks of the product)
+  const int64_t n_part = n / world;
+  const auto b_columns = [&](int64_t c0, int64_t cw) {
+    return std::make_pair(b.narrow(1, c0, cw), b_rowwise_scale ? b_scale.narrow(1, c0, cw) : b_scale);
+  };
+  const auto multiply_columns = [&](at::Tensor send, int64_t c0, int64_t cw) {
+    if (columns) {  // rank j's columns of the product: b's columns j*n/W + [c0, c0 + cw)
+      for (int64_t j = 0; j < world; ++j) {
+        const auto [b_part, b_part_scale] = b_columns(j * n_part + c0, cw);
+        at::Tensor part = send.select(0, j);
+        scaled_mm(a_rows, a_scale_rows, b_part, b_part_scale, send.scalar_type(), &part);
+      }
+      return;
+    }
+    // One multiply of all of a by the column slice; rank j's part is its block of the product's rows.
+    const RowLayout layout = pipeline::row_layout(a.sizes(), dim);
+    const auto [b_part, b_part_scale] = b_columns(c0, cw);
+    at::Tensor flat_send = send.view({-1, cw});
+    if (layout.outer == 1) {
+      scaled_mm(a_rows, a_scale_rows, b_part, b_part_scale, send.scalar_type(), &flat_send);
+      return;
+    }
+    const at::Tensor product = scaled_mm(a_rows, a_scale_rows, b_part, b_part_scale, send.scalar_type());
+    send.view({world, layout.outer, layout.inner / world, cw})
+        .copy_(product.view({layout.outer, world, layout.inner / world, cw}).transpose(0, 1));
+  };
   return reduce_scatter_product(
-      group, a.sizes(), n, dim, a.options().dtype(out_dtype), reduce_op, scaled_pieces(chunks, a.device()), kOp,
+      group, a.sizes(), n, dim, a.options().dtype(out_dtype), reduce_op, scaled_pieces(chunks, a.device()), schedule,
+      kOp,
       [&](at::Tensor send, int64_t j, Piece piece, const RowLayout& layout) {
         if (columns) {
           const int64_t n_part = n / world;
@@ -67,11 +98,9 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
         const at::Tensor rows_scale =
             a_rowwise_scale ? rank_block(scale_blocks, layout, j, piece).contiguous().view({-1, 1}) : a_scale;
         scaled_mm(rows, rows_scale, b, b_scale, send.scalar_type(), &send);
-      });
+      },
+      multiply_columns);
 }
 
-}  // namespace
 }  // namespace fused
 }  // namespace fastmesh
-
-FASTMESH_FUSED_KERNEL("scaled_matmul_reduce_scatter", fastmesh::fused::scaled_matmul_reduce_scatter)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -26,7 +27,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
-from fastmesh.compile import patterns, rewrite
+from fastmesh.compile import patterns, profit, rewrite
+from fastmesh.ops import plans
 
 logger = logging.getLogger("fastmesh.compile")
 
@@ -50,6 +52,8 @@ class FusionEntry:
             or a ``"torch.symm_mem.fused_*"`` op when torch's ``_micro_pipeline_tp`` took it), None if left.
         matmuls: the number of matmuls fused with it.
         detail: the fused call's arguments, or why the collective was left.
+        unprofitable: left because the fused op's plan for these shapes is the unfused sequence
+            (``detail`` gives the plan and its figures); ``strict=True`` does not fail on these.
     """
 
     graph: int
@@ -59,6 +63,7 @@ class FusionEntry:
     fused_into: Optional[str]
     matmuls: int
     detail: str
+    unprofitable: bool = False
 
     @property
     def fused(self) -> bool:
@@ -91,7 +96,8 @@ class FusionReport:
         lines = [f"fastmesh fusion: {len(self.graphs)} graph(s), {len(self.fused)} collective(s) fused, "
                  f"{len(self.unfused)} left"]
         for e in self.entries:
-            outcome = f"-> {e.fused_into} ({e.matmuls} matmul{'s' * (e.matmuls != 1)})" if e.fused else "left"
+            outcome = (f"-> {e.fused_into} ({e.matmuls} matmul{'s' * (e.matmuls != 1)})" if e.fused
+                       else "left (not profitable)" if e.unprofitable else "left")
             lines.append(f"  graph {e.graph} ({e.graph_kind}) {e.collective} {e.node} {outcome}: {e.detail}")
         return "\n".join(lines)
 
@@ -184,6 +190,15 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
         for name, match in found:
             if isinstance(match, patterns.Unfusable):
                 continue
+            reason = profit.unprofitable(match)
+            if reason is not None:
+                outcomes[name] = FusionEntry(index, kind, collective, name, None, 0, reason, unprofitable=True)
+                scale_gather = getattr(match, "scale_gather", None)
+                if scale_gather is not None:  # the row-wise scales stay with their data's gather
+                    outcomes[scale_gather.collective.name] = FusionEntry(
+                        index, kind, collective, scale_gather.collective.name, None, 0,
+                        f"the row-wise scales of {name}, left with it", unprofitable=True)
+                continue
             fused = fuse_fn(graph, match)
             if isinstance(fused, patterns.Unfusable):
                 outcomes[name] = FusionEntry(index, kind, collective, name, None, 0, fused.reason)
@@ -194,6 +209,8 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
             if scale_gather is not None:
                 carried[scale_gather.collective.name] = name
         for name, match in found:
+            if name in outcomes and outcomes[name].unprofitable:
+                continue
             if name in carried:
                 outcomes[name] = FusionEntry(index, kind, collective, name, outcomes[carried[name]].fused_into, 0,
                                              f"the row-wise scales of {carried[name]}, carried by its fused op")
@@ -209,15 +226,21 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
         logger.info("graph %d (%s): %s %s -> %s with %d matmul(s): %s", index, kind, e.collective, e.node,
                     e.fused_into, e.matmuls, e.detail)
     for e in report.unfused:
-        logger.warning("graph %d (%s): %s %s left unfused: %s", index, kind, e.collective, e.node, e.detail)
-    if strict and report.unfused:
-        left = "; ".join(f"{e.collective} {e.node}: {e.detail}" for e in report.unfused)
+        log = logger.info if e.unprofitable else logger.warning
+        log("graph %d (%s): %s %s left unfused: %s", index, kind, e.collective, e.node, e.detail)
+    cannot = [e for e in report.unfused if not e.unprofitable]
+    if strict and cannot:
+        left = "; ".join(f"{e.collective} {e.node}: {e.detail}" for e in cannot)
         raise FusionError(f"fastmesh fusion (strict=True): graph {index} ({kind}) has collectives the pass "
                           f"cannot fuse: {left}")
     return report
 
 
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("fusion.py", "patterns.py", "rewrite.py"))
+_OPS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ops")
+# The pass's decisions also depend on the planner: its code, its mode and the cached plans (see uuid()).
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
+                 for name in ("fusion.py", "patterns.py", "profit.py", "rewrite.py")) + tuple(
+    os.path.join(_OPS, name) for name in ("plans.py", "plan_model.py"))
 
 
 class FusionPass(CustomGraphPass):
@@ -239,7 +262,8 @@ class FusionPass(CustomGraphPass):
             previous(graph)
 
     def uuid(self) -> Optional[bytes]:
-        digest = hashlib.sha256(get_hash_for_files(_SOURCES, extra=f"strict={self.strict}"))
+        cached = json.dumps(plans.cache().entries(), sort_keys=True)
+        digest = hashlib.sha256(get_hash_for_files(_SOURCES, extra=f"strict={self.strict};tune={plans.mode()};{cached}"))
         for previous in self._previous_passes():
             uuid = previous.uuid() if hasattr(previous, "uuid") else None
             if uuid is None:  # inductor cannot cache graphs compiled with an uncacheable pass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -10,29 +9,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fastmesh.kernels.fused_reference import reduce_scatter
 
-logger = logging.getLogger("fastmesh.ops")
-
 REDUCE_OPS = ("sum", "avg")
-
-# What each device runs, said once per op and path. On CUDA, all_gather_matmul's kernel picks between the
-# Triton consumer GEMM and the pipelined decomposition, and logs its own choice.
-_PATHS = {
-    "cpu": "the pipelined C++ kernel: each piece's collective (gloo) runs while the previous piece is multiplied",
-    "cuda": "the pipelined decomposition: per-piece collectives on the backend's stream (NCCL), each multiply "
-    "waiting for its piece on the current stream",
-}
-_logged: set[tuple[str, str, str]] = set()
-
-
-def log_path_once(op: str, device: torch.device, path: str | None = None) -> None:
-    """Log (INFO, logger ``fastmesh.ops``) which implementation ``op`` runs on ``device``: ``path``, or the
-    device's pipelined kernel. Once per op, device type and path."""
-    path = path or _PATHS.get(device.type, "the pipelined C++ kernel over the group's backend")
-    key = (op, device.type, path)
-    if key not in _logged:
-        _logged.add(key)
-        logger.info("%s on %s runs %s", op, device.type, path)
-
 
 def resolve_group(group_name: str, op: str):
     """The live process group registered as ``group_name``, or a ValueError naming ``op``."""

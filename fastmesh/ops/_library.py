@@ -29,7 +29,8 @@ _SIGNATURES = {
     "fp8_quantize": _QUANTIZE_ARGUMENTS + " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "fp8_quantize_native": _QUANTIZE_ARGUMENTS
     + " -> (Tensor data, Tensor scale, Tensor amax, Tensor? data_t, Tensor? scale_t)",
-    # Fused collectives (fastmesh/ops/fused_collectives.py). chunks: pipeline pieces, 0 = from the shapes.
+    # Fused collectives (fastmesh/ops/fused_collectives.py). chunks: pipeline pieces of rows, 0 = the call's plan
+    # (fastmesh/ops/plans.py).
     "all_gather_matmul": "(Tensor a_shard, Tensor[] bs, int gather_dim, str group_name, bool return_a=False, "
     "int chunks=0) -> (Tensor?, Tensor[])",
     "matmul_reduce_scatter": "(Tensor a, Tensor b, int scatter_dim, str reduce_op, str group_name, int chunks=0) "

@@ -7,7 +7,13 @@ overlap the transfer of one piece with the multiply of another (schedule: ``csrc
 on every backend c10d has: gloo on CPU, NCCL on CUDA. The local shard is multiplied while the first
 pieces travel. On CUDA, ``all_gather_matmul``'s kernel can instead run one Triton GEMM that multiplies each
 tile as soon as its rows have landed (``fastmesh/ops/chunked_gather.py``; opt-in with
-``FASTMESH_CUDA_CONSUMER_GEMM=1``); it logs once which path it took.
+``FASTMESH_CUDA_CONSUMER_GEMM=1``).
+
+Each call runs a plan, the same on every rank (``fastmesh/ops/plans.py``): pieces of rows, pieces of b's
+columns (reduce-scatter: b read once), or the unfused sequence inside the op where overlapping cannot pay
+(few rows and a large weight, latency-bound sizes). ``chunks > 0`` fixes pieces of rows; otherwise the plan
+comes from measured plans or the cost model (``FASTMESH_TUNE``). Each key's plan is logged once (INFO,
+logger ``fastmesh.plans``).
 
 Plain-PyTorch equivalents (``group`` the process group named by ``group_name``, ``W`` its size)::
 
@@ -66,6 +72,7 @@ transfers it started before it raises (so that none is left in flight).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -73,7 +80,7 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.kernels.fused_reference import all_gather
 from fastmesh.mesh import group_name as _group_name_of
-from fastmesh.ops import _dtensor, chunked_gather
+from fastmesh.ops import _dtensor, chunked_gather, plans
 from fastmesh.ops._checks import wrap_dim
 from fastmesh.ops._fused_common import (
     check_chunks,
@@ -82,7 +89,6 @@ from fastmesh.ops._fused_common import (
     gathered_shape,
     group_size,
     input_grad_operands,
-    log_path_once,
     reduce_scatter_gathered_grad,
     resolve_group,
     rows,
@@ -173,30 +179,74 @@ def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, chunks
     return a.new_empty(scattered_shape(a.shape, b.shape[1], dim, world))
 
 
-# ---- all_gather_matmul's CUDA kernel ----
+# ---- kernels: a plan per call (fastmesh/ops/plans.py), then the C++ schedule or the Triton consumer GEMM ----
 
-def _all_gather_matmul_cuda(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0):
-    """The Triton consumer GEMM (fastmesh/ops/chunked_gather.py) where it is enabled and applies, else the
-    pipelined C++ kernel; logs its choice once per path."""
+def gather_plan_call(a_shard, bs, dim: int, group_name: str, consumer_gemm: bool = False) -> plans.Call:
+    """The planner's view of an all_gather_matmul call (also asked by the compile pass, on fake tensors)."""
     group = resolve_group(group_name, _AG)
-    dim = _check_all_gather_matmul(a_shard, bs, gather_dim, group.size(), chunks)
+    return plans.gather_call(_AG, group, group_name, a_shard, [b.shape[1] for b in bs], dim, a_shard.dtype,
+                             consumer_gemm=consumer_gemm)
+
+
+def scatter_plan_call(a, b, dim: int, group_name: str) -> plans.Call:
+    """The planner's view of a matmul_reduce_scatter call."""
+    return plans.scatter_call(_RS, resolve_group(group_name, _RS), group_name, a, b.shape[1], dim, a.dtype)
+
+
+def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0, *, cuda=False):
+    group = resolve_group(group_name, _AG)
+    world = group.size()
+    dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, chunks)
     ext = _cpp_lib.load()
-    if chunked_gather.enabled():
-        reason = chunked_gather.unsupported_reason(a_shard, dim, group.size())
-    else:
-        reason = f"it is opt-in until measured on GPUs: {chunked_gather.ENV_ENABLE}=1"
-    if reason is None:
-        ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")
-        log_path_once(_AG, a_shard.device, "the Triton consumer GEMM: per-piece all-gathers on a side stream flag "
-                      "each chunk, and the GEMM multiplies each tile once its rows have landed")
-        return chunked_gather.all_gather_chunked_matmul(a_shard, list(bs), dim, chunked_gather.CollectiveTransport(group),
-                                                        return_a, chunks)
-    log_path_once(_AG, a_shard.device, f"the pipelined decomposition: per-piece collectives on the backend's stream, "
-                  f"each multiply waiting for its piece (not the Triton consumer GEMM: {reason})")
-    return ext.all_gather_matmul_pipelined(a_shard, list(bs), gather_dim, group_name, return_a, chunks)
+    bs = list(bs)
+
+    def run(plan: plans.Plan):
+        if plan.split == "consumer_gemm":
+            ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")
+            return chunked_gather.all_gather_chunked_matmul(a_shard, bs, dim, chunked_gather.CollectiveTransport(group),
+                                                            return_a, plan.pieces)
+        return ext.all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, plan.pieces, plan.split)
+
+    if world == 1 or a_shard.numel() == 0:
+        return run(plans.FIXED)
+    # Before the ranks agree on a plan: ranks whose calls differ must fail here, all of them, not in the planner.
+    ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")
+    measuring = plans.mode() == "measure"
+    reason = chunked_gather.unsupported_reason(a_shard, dim, world) if cuda else "not a CUDA call"
+    call = gather_plan_call(a_shard, bs, dim, group_name, consumer_gemm=reason is None and measuring)
+    # The consumer GEMM is opt-in (FASTMESH_CUDA_CONSUMER_GEMM=1) until measured plans choose it.
+    forced, note = None, ""
+    if reason is None and chunked_gather.enabled() and not measuring:
+        forced = plans.Decision(plans.Plan("consumer_gemm", chunks), f"{chunked_gather.ENV_ENABLE}=1")
+    elif cuda and not measuring:
+        reason = reason or f"it is opt-in until measured on GPUs: {chunked_gather.ENV_ENABLE}=1"
+        note = f"(not the Triton consumer GEMM: {reason})"
+    return run(plans.decide(call, chunks, run, forced, note).plan)
 
 
+_all_gather_matmul_cuda = functools.partial(_all_gather_matmul_kernel, cuda=True)
+
+
+def _matmul_reduce_scatter_kernel(a, b, scatter_dim, reduce_op, group_name, chunks=0):
+    group = resolve_group(group_name, _RS)
+    world = group.size()
+    dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, chunks)
+    ext = _cpp_lib.load()
+
+    def run(plan: plans.Plan):
+        return ext.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, plan.pieces, plan.split)
+
+    if world == 1 or a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
+    product = scattered_shape(a.shape, b.shape[1], dim, world)
+    ext.check_same_shape_on_all_ranks(a.new_empty(()).expand(product), group_name, _RS, "a @ b")
+    return run(plans.decide(scatter_plan_call(a, b, dim, group_name), chunks, run).plan)
+
+
+library.impl("all_gather_matmul", _all_gather_matmul_kernel, "CPU")
 library.impl("all_gather_matmul", _all_gather_matmul_cuda, "CUDA")
+for _device in ("CPU", "CUDA"):
+    library.impl("matmul_reduce_scatter", _matmul_reduce_scatter_kernel, _device)
 
 
 # ---- autograd ----
@@ -315,8 +365,8 @@ def all_gather_matmul(
         group: ``ProcessGroup``, 1-D ``DeviceMesh``, ``(mesh, axis_name)``, group name, or ``None`` for the
             default group.
         return_a: also return the gathered ``a``.
-        chunks: pipeline pieces per rank (``None``: chosen from the shapes; 1: no overlap beyond the local
-            shard's multiply).
+        chunks: pipeline pieces of rows per rank (``None``: the call's plan, see the module docstring; 1: no
+            overlap beyond the local shard's multiply).
         fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to run in FP8:
             ``a_shard`` travels as FP8 plus scales and the multiplies are scaled matmuls into a's dtype
             (``fastmesh/ops/fused_collectives_fp8.py`` has the recipe and its backward). Rows only
@@ -347,9 +397,6 @@ def all_gather_matmul(
     if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
         _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), chunks)
     _cpp_lib.require()
-    # On CUDA the op's kernel picks its path and says which (except in FP8, which has one CUDA path).
-    if not torch.compiler.is_compiling() and (fp8 is not None or a_shard.device.type != "cuda"):
-        log_path_once("fastmesh.all_gather_matmul", a_shard.device)
     if fp8 is not None:
         return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, chunks, check_config(fp8, "fastmesh.all_gather_matmul"))
     # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
@@ -385,7 +432,7 @@ def matmul_reduce_scatter(
             the columns.
         group: as for :func:`all_gather_matmul`.
         reduce_op: ``"sum"`` or ``"avg"``.
-        chunks: pipeline pieces per rank (``None``: chosen from the shapes).
+        chunks: pipeline pieces of rows per rank (``None``: the call's plan, see the module docstring).
         fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to multiply in FP8
             (scaled matmuls into a's dtype; the product is reduced in a's dtype).
 
@@ -405,8 +452,6 @@ def matmul_reduce_scatter(
     if not torch.compiler.is_compiling():
         _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), chunks)
     _cpp_lib.require()
-    if not torch.compiler.is_compiling():
-        log_path_once("fastmesh.matmul_reduce_scatter", a.device)
     if fp8 is not None:
         return matmul_reduce_scatter_fp8(a, b, scatter_dim, name, reduce_op, chunks, check_config(fp8, "fastmesh.matmul_reduce_scatter"))
     return torch.ops.fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, name, chunks)

@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from fastmesh import _cpp_lib
+from fastmesh.ops import plans
 from fastmesh.ops._checks import FP8_DTYPES, wrap_dim
 from fastmesh.ops._fused_common import (
     check_chunks,
@@ -59,10 +61,11 @@ from fastmesh.ops._fused_common import (
     group_size,
     input_grad_operands,
     reduce_scatter_gathered_grad,
+    resolve_group,
     rows,
     scattered_shape,
 )
-from fastmesh.ops._library import qualified_name
+from fastmesh.ops._library import library, qualified_name
 from fastmesh.ops.fp8 import quantize
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
@@ -164,6 +167,69 @@ def _scaled_matmul_reduce_scatter_fake(a, a_scale, b, b_scale, scatter_dim, redu
     world = group_size(group_name, _RS)
     dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, chunks)
     return a.new_empty(scattered_shape(a.shape, b.shape[1], dim, world), dtype=out_dtype)
+
+
+# ---- kernels: a plan per call (fastmesh/ops/plans.py), then the C++ schedule ----
+
+def _granularity(scale: torch.Tensor) -> str:
+    return "rowwise" if scale.dim() > 0 else "tensorwise"
+
+
+def scaled_gather_plan_call(a_shard, a_scale, bs, dim: int, group_name: str, out_dtype) -> plans.Call:
+    """The planner's view of an all_gather_scaled_matmul call (also asked by the compile pass)."""
+    # One multiply over every rank's rows needs a scale per row: tensor-wise shards keep one multiply per rank.
+    return plans.gather_call(_AG, resolve_group(group_name, _AG), group_name, a_shard, [b.shape[1] for b in bs], dim,
+                             a_shard.dtype, extra=(("a_scale", _granularity(a_scale)), ("out_dtype", str(out_dtype))),
+                             allow_unfused=a_scale.dim() > 0)
+
+
+def scaled_scatter_plan_call(a, a_scale, b, b_scale, dim: int, group_name: str, out_dtype) -> plans.Call:
+    """The planner's view of a scaled_matmul_reduce_scatter call."""
+    # CUDA's scaled matmul wants widths in multiples of 16, which column pieces would not keep.
+    return plans.scatter_call(_RS, resolve_group(group_name, _RS), group_name, a, b.shape[1], dim, out_dtype,
+                              extra=(("scales", f"{_granularity(a_scale)},{_granularity(b_scale)}"),),
+                              columns_pieces=a.device.type != "cuda")
+
+
+def _all_gather_scaled_matmul_kernel(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype,
+                                     return_a=False, chunks=0):
+    group = resolve_group(group_name, _AG)
+    dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, group.size(), chunks)
+    ext = _cpp_lib.load()
+    bs, b_scales = list(bs), list(b_scales)
+
+    def run(plan: plans.Plan):
+        return ext.all_gather_scaled_matmul(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a,
+                                            plan.pieces, plan.split)
+
+    if group.size() == 1 or a_shard.numel() == 0:
+        return run(plans.FIXED)
+    ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")  # before the ranks agree on a plan
+    ext.check_same_shape_on_all_ranks(a_scale, group_name, _AG, "a_scale")
+    return run(plans.decide(scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype), chunks, run).plan)
+
+
+def _scaled_matmul_reduce_scatter_kernel(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype,
+                                         chunks=0):
+    group = resolve_group(group_name, _RS)
+    dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, group.size(), chunks)
+    ext = _cpp_lib.load()
+
+    def run(plan: plans.Plan):
+        return ext.scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype,
+                                                plan.pieces, plan.split)
+
+    if group.size() == 1 or a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
+    product = scattered_shape(a.shape, b.shape[1], dim, group.size())  # checked before the ranks agree on a plan
+    ext.check_same_shape_on_all_ranks(a.new_empty((), dtype=out_dtype).expand(product), group_name, _RS, "a @ b")
+    call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, group_name, out_dtype)
+    return run(plans.decide(call, chunks, run).plan)
+
+
+for _device in ("CPU", "CUDA"):
+    library.impl("all_gather_scaled_matmul", _all_gather_scaled_matmul_kernel, _device)
+    library.impl("scaled_matmul_reduce_scatter", _scaled_matmul_reduce_scatter_kernel, _device)
 
 
 # ---- the fronts' fp8= option ----

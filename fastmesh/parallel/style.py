@@ -124,7 +124,7 @@ class FusedColwiseParallel(ParallelStyle):
             ``backward_in_fp8``. Each rank's scales are those of its own shard and travel with it, so no amax
             is reduced across the group. Needs a sequence-sharded input.
         chunks (int, optional):
-            Pipeline pieces per rank for the fused op (default: chosen from the shapes).
+            Pipeline pieces of rows per rank for the fused op (default: the op's plan per call).
 
     Returns:
         A :class:`ParallelStyle` object that represents the fused column-wise sharding.
@@ -359,7 +359,7 @@ class FusedRowwiseParallel(ParallelStyle):
             Run the matmul in FP8 (as for :class:`FusedColwiseParallel`); the product is reduced in the input
             dtype.
         chunks (int, optional):
-            Pipeline pieces per rank for the fused op (default: chosen from the shapes).
+            Pipeline pieces of rows per rank for the fused op (default: the op's plan per call).
 
     Returns:
         A :class:`ParallelStyle` object that represents the fused row-wise sharding.

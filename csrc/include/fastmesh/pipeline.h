@@ -19,14 +19,31 @@
 //   for each piece in order: multiply every rank's part of it into a send buffer, start its
 //   reduce-scatter; then wait for all. The first piece's multiply and the last piece's transfer are
 //   exposed.
+//
+// Which rows or columns make a piece is the call's Split (chosen per call by fastmesh/ops/plans.py):
+// pieces of rows (above), pieces of the product's columns (reduce-scatter only: each piece multiplies all
+// of a by a column slice of b, so b is read once however many pieces), or none (the unfused sequence:
+// the whole transfer, then one multiply, or one multiply, then the whole transfer).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace fastmesh {
 namespace pipeline {
+
+enum class Split { kRows, kColumns, kNone };
+
+// "rows" | "columns" | "none" (the names fastmesh/ops/plans.py uses); false for anything else.
+inline bool parse_split(const std::string& name, Split* out) {
+  if (name == "rows") *out = Split::kRows;
+  else if (name == "columns") *out = Split::kColumns;
+  else if (name == "none") *out = Split::kNone;
+  else return false;
+  return true;
+}
 
 struct Piece {
   int64_t unit_begin;  // first unit of the piece

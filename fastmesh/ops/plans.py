@@ -1,0 +1,326 @@
+"""How each fused call runs: a plan per call, the same on every rank, never slower than not fusing.
+
+A plan is a schedule and a piece count: pieces of rows (the pipeline of ``csrc/include/fastmesh/pipeline.h``),
+pieces of the product's columns (reduce-scatters: ``b`` read once whatever the piece count), ``"none"`` (the
+unfused sequence inside the op: the whole transfer, then one multiply per ``b``, or the reverse), or on CUDA
+the Triton consumer GEMM. The op's kernel builds the :class:`Call` (its key: op, shapes, dtypes, dim, group
+size, backend, device, threads) and asks :func:`decide`, once per key and process:
+
+* ``pieces=`` (``chunks=``) given by the caller wins: rows in that many pieces;
+* ``FASTMESH_TUNE=off``: the fixed rule (rows, pieces from the size: ``pipeline.h``);
+* ``FASTMESH_TUNE=model`` (default): a measured plan from the cache file (:mod:`fastmesh.ops.plan_cache`) if
+  every rank has one, else the cost model (:mod:`fastmesh.ops.plan_model`);
+* ``FASTMESH_TUNE=measure``: as ``model``, but a key no cached plan covers is measured on the spot: every
+  candidate is timed on every rank, the slowest rank's time counts, and the fastest plan is stored.
+
+Every rank must run the same plan (different plans exchange different messages). Ranks agree in one small
+all-reduce per key: rank 0's plan is taken (and whether every rank has a cached one), and measured times are
+reduced with MAX so that every rank picks from the same figures. Under CUDA-graph capture nothing is
+measured or exchanged: the model decides (its constants are fixed, so every rank computes the same plan).
+Each key's decision is logged once (INFO, logger ``fastmesh.plans``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import statistics
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from fastmesh.ops import plan_model
+from fastmesh.ops.plan_cache import PlanCache
+
+logger = logging.getLogger("fastmesh.plans")
+
+ENV_MODE = "FASTMESH_TUNE"
+MODES = ("off", "model", "measure")
+SPLITS = ("rows", "columns", "none", "consumer_gemm")
+# A measured fused plan must beat the unfused one by this much: less is noise on a loaded machine.
+MEASURE_MARGIN = 0.01
+MEASURE_ROUNDS = 5  # timed rounds per candidate, after one warm-up round
+
+
+def mode() -> str:
+    value = os.environ.get(ENV_MODE, "model").strip().lower() or "model"
+    if value not in MODES:
+        raise ValueError(f"{ENV_MODE} must be one of {', '.join(MODES)}, got {os.environ[ENV_MODE]!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    split: str  # one of SPLITS
+    pieces: int = 0  # 0: from the size (pipeline.h)
+
+    @property
+    def label(self) -> str:
+        if self.split == "none":
+            return "unfused"
+        if self.split == "consumer_gemm":
+            return "consumer_gemm"
+        return f"{self.split}x{self.pieces}" if self.pieces else f"{self.split} (auto)"
+
+
+UNFUSED = Plan("none", 1)
+FIXED = Plan("rows", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    plan: Plan
+    source: str  # "pieces=", "fixed", "model", "cache", "measured", or why nothing is planned
+    figures: tuple = ()  # (label, milliseconds) per candidate: model estimates or measured times
+
+    def describe(self) -> str:
+        figures = ", ".join(f"{label} {ms:.3g} ms" for label, ms in self.figures)
+        return f"{self.plan.label} ({self.source}{': ' + figures if figures else ''})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One fused call as the planner sees it; every field is the same on every rank."""
+
+    op: str
+    group_name: str
+    backend: str
+    device: torch.device
+    fields: tuple  # the key's fields besides op, backend and device (shapes, dtypes, dims, world, threads)
+    shape: plan_model.Shape
+    candidates: tuple  # Plans this call can run
+
+    @property
+    def key(self) -> str:
+        device = self.device.type
+        if device == "cuda":
+            device += ":" + torch.cuda.get_device_name(self.device)
+        return "|".join([self.op, self.backend, device] + [f"{name}={value}" for name, value in self.fields])
+
+
+def backend_of(group, device: torch.device) -> str:
+    try:
+        return group._get_backend(device).name()
+    except (RuntimeError, AttributeError):
+        return "unknown"
+
+
+def threads(device: torch.device) -> int:
+    return torch.get_num_threads() if device.type == "cpu" else 1
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return "float8" if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else str(dtype).removeprefix("torch.")
+
+
+def gather_call(op: str, group, group_name: str, a_shard: torch.Tensor, ns, dim: int, b_dtype: torch.dtype,
+                extra: tuple = (), allow_unfused: bool = True, consumer_gemm: bool = False) -> Call:
+    """The Call of an all-gather + matmul of ``a_shard`` along ``dim`` by bs of ``ns`` columns."""
+    world = group.size()
+    last = dim == a_shard.dim() - 1
+    outer = 1
+    for size in a_shard.shape[:dim]:
+        outer *= size
+    shard_rows = a_shard.numel() // max(1, a_shard.shape[-1])
+    units = outer if outer > 1 else shard_rows
+    candidates = [Plan("rows", p) for p in plan_model.pieces_up_to(units)]
+    if allow_unfused and not last:
+        candidates.append(UNFUSED)
+    if consumer_gemm:
+        candidates.append(Plan("consumer_gemm", 0))
+    shape = plan_model.Shape("all_gather", world, shard_rows, a_shard.shape[-1], tuple(ns), outer, last,
+                             a_shard.element_size(), torch.empty((), dtype=b_dtype).element_size(),
+                             _dtype_name(b_dtype), threads(a_shard.device), a_shard.device.type)
+    fields = (("a", list(a_shard.shape)), ("ns", list(ns)), ("dim", dim), ("dtype", str(a_shard.dtype)),
+              ("b_dtype", str(b_dtype)), ("world", world), ("threads", shape.threads)) + extra
+    return Call(op, group_name, backend_of(group, a_shard.device), a_shard.device, fields, shape, tuple(candidates))
+
+
+def scatter_call(op: str, group, group_name: str, a: torch.Tensor, n: int, dim: int, out_dtype: torch.dtype,
+                 extra: tuple = (), columns_pieces: bool = True) -> Call:
+    """The Call of a matmul + reduce-scatter of ``a @ b`` (``b`` of ``n`` columns) along ``dim``."""
+    world = group.size()
+    last = dim == a.dim() - 1
+    outer = 1
+    for size in a.shape[:dim]:
+        outer *= size
+    rows = a.numel() // max(1, a.shape[-1])
+    block_rows = rows if last else rows // world
+    units = outer if (outer > 1 and not last) else block_rows
+    block_cols = n // world if last else n
+    candidates = [Plan("rows", p) for p in plan_model.pieces_up_to(units)]
+    if columns_pieces:
+        candidates += [Plan("columns", p) for p in plan_model.pieces_up_to(block_cols) if p > 1]
+    candidates.append(UNFUSED)
+    shape = plan_model.Shape("reduce_scatter", world, rows, a.shape[-1], (n,), outer, last,
+                             torch.empty((), dtype=out_dtype).element_size(), a.element_size(), _dtype_name(a.dtype),
+                             threads(a.device), a.device.type)
+    fields = (("a", list(a.shape)), ("n", n), ("dim", dim), ("dtype", str(a.dtype)), ("out_dtype", str(out_dtype)),
+              ("world", world), ("threads", shape.threads)) + extra
+    return Call(op, group_name, backend_of(group, a.device), a.device, fields, shape, tuple(candidates))
+
+
+# ---- the decision ----
+
+_lock = threading.Lock()
+_agreed: dict[str, Decision] = {}  # key -> the decision every rank took, for this process
+_last: dict[str, tuple[str, Decision]] = {}  # op -> (key, decision) of its latest planned call
+_cache: Optional[PlanCache] = None
+_logged: set = set()  # (key, decision) pairs already logged
+_override: Optional[Plan] = None
+
+
+def cache() -> PlanCache:
+    """The plan cache at the current location (``FASTMESH_TUNE_CACHE`` is read again when it changes)."""
+    global _cache
+    from fastmesh.ops.plan_cache import default_path
+
+    if _cache is None or _cache.path != default_path():
+        _cache = PlanCache()
+    return _cache
+
+
+def forget() -> None:
+    """Drop this process's agreed decisions (the next call of each key decides again, on every rank)."""
+    with _lock:
+        _agreed.clear()
+        _last.clear()
+        _logged.clear()
+
+
+def last_decision(op: str) -> Optional[tuple[str, Decision]]:
+    """(key, decision) of ``op``'s latest planned call in this process, or None."""
+    return _last.get(op)
+
+
+@contextlib.contextmanager
+def override(plan: Plan):
+    """Inside the block, every call of this process whose candidates include ``plan`` runs it, without talking
+    to the other ranks: for tests and benchmarks that compare plans (every rank must enter the same block)."""
+    global _override
+    previous, _override = _override, plan
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _all_reduce(values: list, op: str, call: Call) -> list:
+    tensor = torch.tensor(values, dtype=torch.float64 if op == "max" else torch.int64, device=call.device)
+    out = torch.ops._c10d_functional.all_reduce(tensor, op, call.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out).tolist()
+
+
+def _model(call: Call) -> Decision:
+    modelled = [c for c in call.candidates if c.split != "consumer_gemm"]
+    chosen, times = plan_model.best(call.shape, modelled)
+    return Decision(chosen, "model", tuple((label, s * 1e3) for label, s in times.items()))
+
+
+def _cached(call: Call) -> Optional[Decision]:
+    entry = cache().lookup(call.key)
+    if not isinstance(entry, dict):
+        return None
+    plan = Plan(entry.get("split"), entry.get("pieces", 0))
+    if plan not in call.candidates:
+        return None
+    return Decision(plan, "cache", tuple((k, v) for k, v in entry.get("ms", {}).items()))
+
+
+def measure(call: Call, run: Callable[[Plan], object], rounds: int = MEASURE_ROUNDS) -> Decision:
+    """Times every candidate of ``call`` on every rank (one warm-up round, then ``rounds`` interleaved rounds;
+    each call after a barrier), takes each candidate's median, the slowest rank's, and picks the fastest."""
+    cuda = call.device.type == "cuda"
+    times: dict[Plan, list] = {c: [] for c in call.candidates}
+    for round_index in range(rounds + 1):
+        for candidate in call.candidates:
+            _all_reduce([0], "sum", call)  # a barrier: every rank starts the candidate together
+            if cuda:
+                torch.cuda.synchronize(call.device)
+            start = time.perf_counter()
+            run(candidate)
+            if cuda:
+                torch.cuda.synchronize(call.device)
+            if round_index:
+                times[candidate].append(time.perf_counter() - start)
+    slowest = _all_reduce([statistics.median(times[c]) for c in call.candidates], "max", call)
+    by_plan = dict(zip(call.candidates, slowest))
+    chosen = min(call.candidates, key=by_plan.get)
+    if UNFUSED in by_plan and by_plan[chosen] > (1 - MEASURE_MARGIN) * by_plan[UNFUSED]:
+        chosen = UNFUSED
+    return Decision(chosen, "measured", tuple((c.label, s * 1e3) for c, s in by_plan.items()))
+
+
+def _encode(plan: Plan) -> list:
+    return [SPLITS.index(plan.split), plan.pieces]
+
+
+def decide(call: Call, chunks: int, run: Optional[Callable[[Plan], object]] = None, forced: Optional[Decision] = None,
+           note: str = "") -> Decision:
+    """The plan ``call`` runs, the same on every rank (see the module docstring). ``run(plan)`` executes the
+    call with a plan (for measuring); ``forced`` is a decision the op imposes (an opt-in path); ``note`` is
+    added to the log line."""
+    if forced is not None:
+        return _remember(call, forced, note)
+    if chunks > 0:
+        return _remember(call, Decision(Plan("rows", chunks), "pieces= given"), note)
+    if _override is not None and _override in call.candidates:
+        return _remember(call, Decision(_override, "override"), note)
+    tune = mode()
+    if tune == "off":
+        return _remember(call, Decision(FIXED, f"fixed rule, {ENV_MODE}=off"), note)
+    key = call.key
+    with _lock:
+        agreed = _agreed.get(key)
+    if agreed is not None:
+        return _remember(call, agreed, note)
+    if _capturing(call.device):  # no collective, no timing: the model's plan is the same on every rank
+        return _remember(call, _model(call), note)
+    cached = _cached(call)
+    local = _model(call) if cached is None else cached
+    is_rank0 = _rank(call) == 0
+    have_cached, *plan_code = _all_reduce([int(cached is not None)] + (_encode(local.plan) if is_rank0 else [0, 0]),
+                                          "sum", call)
+    every_rank_cached = have_cached == call.shape.world
+    if tune == "measure" and not every_rank_cached and run is not None:
+        decision = measure(call, run)
+        cache().store(key, {"split": decision.plan.split, "pieces": decision.plan.pieces,
+                            "ms": dict(decision.figures), "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    else:  # rank 0's plan, from its cache or its model
+        plan = Plan(SPLITS[plan_code[0]], plan_code[1])
+        decision = local if plan == local.plan else Decision(plan, "rank 0's plan")
+    with _lock:
+        _agreed[key] = decision
+    return _remember(call, decision, note)
+
+
+def _rank(call: Call) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(call.group_name).rank()
+
+
+def _remember(call: Call, decision: Decision, note: str = "") -> Decision:
+    """Records ``decision`` as ``call.op``'s latest and logs it, once per key and decision."""
+    key = call.key
+    _last[call.op] = (key, decision)
+    if (key, decision) not in _logged:
+        _logged.add((key, decision))
+        logger.info("%s [%s]: plan %s%s", call.op, key, decision.describe(), f" {note}" if note else "")
+    return decision
+
+
+def decide_offline(call: Call) -> Decision:
+    """The plan without talking to the other ranks (for the compile pass): this rank's cached plan, else the
+    model's. Ranks agree as long as they see the same cache file."""
+    if mode() == "off":
+        return Decision(FIXED, f"fixed rule, {ENV_MODE}=off")
+    return _cached(call) or _model(call)

@@ -1,0 +1,364 @@
+"""Plans per call (fastmesh/ops/plans.py): every plan computes the same result, ranks always agree on one, the
+cost model avoids the shapes where fusing loses, and the cache of measured plans is safe to share."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastmesh
+from fastmesh import _cpp_lib
+from fastmesh.kernels import fused_reference as ref
+from fastmesh.ops import plan_cache, plan_model, plans
+from fastmesh.ops.plan_cache import PlanCache
+from environment import environment
+from rank_pool import on_ranks
+
+E4M3 = torch.float8_e4m3fn
+AG, RS = "fastmesh::all_gather_matmul", "fastmesh::matmul_reduce_scatter"
+
+
+def small_ints(shape, dtype, seed) -> torch.Tensor:
+    # Small integers: every product and sum is exact, so plans that sum in another order still agree bitwise.
+    return torch.randint(-2, 3, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _group():
+    group = dist.group.WORLD
+    return group, fastmesh.group_name(group)
+
+
+def _gather_call(a_shard, bs, dim):
+    group, name = _group()
+    resolved = plans_group(name)
+    return plans.gather_call(AG, resolved, name, a_shard, [b.shape[1] for b in bs], dim % a_shard.dim(), a_shard.dtype)
+
+
+def _scatter_call(a, b, dim):
+    group, name = _group()
+    return plans.scatter_call(RS, plans_group(name), name, a, b.shape[1], dim % a.dim(), a.dtype)
+
+
+def plans_group(name):
+    from fastmesh.ops._fused_common import resolve_group
+
+    return resolve_group(name, "test")
+
+
+# ---- every plan gives the reference's result ----
+
+_GATHERS = [((6, 5), 0, (3, 7)), ((2, 4, 5), 1, (4,)), ((3, 2, 4), 0, (2, 5)), ((5, 4), -1, (3,))]
+_SCATTERS = [((12, 5), 0, 6), ((2, 6, 5), 1, 4), ((6, 2, 3), 0, 8), ((6, 5), -1, 12), ((3, 4, 6), 2, 6)]
+
+
+@on_ranks(2, 3)
+def test_every_plan_equals_the_reference():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, name = _group()
+    checked = set()
+    for shape, dim, ns in _GATHERS:
+        shards = [small_ints(shape, torch.float32, 10 + j) for j in range(world)]
+        k = shape[-1] * (world if dim % len(shape) == len(shape) - 1 else 1)
+        bs = [small_ints((k, n), torch.float32, 20 + i) for i, n in enumerate(ns)]
+        a_ref, outs_ref = ref.all_gather_matmul(shards[rank], bs, dim, name, return_a=True)
+        call = _gather_call(shards[rank], bs, dim)
+        for plan in call.candidates:
+            with plans.override(plan):
+                a_full, outs = torch.ops.fastmesh.all_gather_matmul(shards[rank], bs, dim, name, True)
+            assert plans.last_decision(AG)[1].plan == plan
+            assert torch.equal(a_full, a_ref), (shape, dim, plan)
+            for out, want in zip(outs, outs_ref):
+                assert torch.equal(out, want), (shape, dim, plan)
+            checked.add(("ag", plan.split))
+    for shape, dim, n in _SCATTERS:
+        a = small_ints(shape, torch.float32, 30 + rank)
+        b = small_ints((shape[-1], n), torch.float32, 40 + rank)
+        want = ref.matmul_reduce_scatter(a, b, dim, "sum", name)
+        for plan in _scatter_call(a, b, dim).candidates:
+            for reduce_op in ("sum", "avg"):
+                with plans.override(plan):
+                    got = torch.ops.fastmesh.matmul_reduce_scatter(a, b, dim, reduce_op, name)
+                assert plans.last_decision(RS)[1].plan == plan
+                expected = want if reduce_op == "sum" else want / world
+                assert torch.equal(got, expected), (shape, dim, plan, reduce_op)
+            checked.add(("rs", plan.split))
+    assert checked == {("ag", "rows"), ("ag", "none"), ("rs", "rows"), ("rs", "columns"), ("rs", "none")}
+
+
+@on_ranks(2)
+def test_every_plan_of_the_fp8_ops_gives_the_same_bits():
+    """FP8 data of small integers with power-of-two scales: every product is exact, so every plan must agree
+    with the default plan bitwise (row-wise and tensor-wise scales, rows and the last dim)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, name = _group()
+    for rowwise in (True, False):
+        a = small_ints((2, 8, 16), torch.float32, 50 + rank).to(E4M3)
+        a_scale = (torch.full((2, 8, 1), 0.5) if rowwise else torch.tensor(0.25)).float()
+        b = small_ints((32, 16), torch.float32, 60).to(E4M3).t()  # column-major [16, 32], as _scaled_mm wants
+        b_scale = torch.full((1, 32), 2.0) if rowwise else torch.tensor(2.0)
+        if rowwise or not _cpu_rowwise_needed():
+            _, _, (want,) = torch.ops.fastmesh.all_gather_scaled_matmul(a, a_scale, [b], [b_scale], 1, name,
+                                                                        torch.float32, False)
+            call = plans.gather_call("fastmesh::all_gather_scaled_matmul", plans_group(name), name, a, [32], 1, a.dtype,
+                                     allow_unfused=rowwise)
+            for plan in call.candidates:
+                with plans.override(plan):
+                    _, _, (got,) = torch.ops.fastmesh.all_gather_scaled_matmul(a, a_scale, [b], [b_scale], 1, name,
+                                                                               torch.float32, False)
+                assert torch.equal(got, want), (rowwise, plan)
+        for dim in (1, 2):
+            want = torch.ops.fastmesh.scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, dim, "sum", name,
+                                                                   torch.float32)
+            call = plans.scatter_call("fastmesh::scaled_matmul_reduce_scatter", plans_group(name), name, a, 32, dim,
+                                      torch.float32)
+            for plan in call.candidates:
+                with plans.override(plan):
+                    got = torch.ops.fastmesh.scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, dim, "sum", name,
+                                                                          torch.float32)
+                assert torch.equal(got, want), (rowwise, dim, plan)
+            assert world * got.shape[dim] == (8 if dim == 1 else 32)
+
+
+def _cpu_rowwise_needed() -> bool:
+    """torch < 2.13 has no row-wise _scaled_mm on CPU: a tensor-wise b beside a per-rank scale cannot run."""
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+@on_ranks(2)
+def test_backward_runs_the_planned_ops_and_matches_the_reference():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, name = _group()
+    x = small_ints((4, 6), torch.float32, 70 + rank).requires_grad_()
+    w = small_ints((6, 5), torch.float32, 80).requires_grad_()
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    for plan in (plans.UNFUSED, plans.Plan("rows", 2)):
+        with plans.override(plan):
+            _, (y,) = fastmesh.all_gather_matmul(x, [w], 0)
+            z = fastmesh.matmul_reduce_scatter(y, w.t(), 0)
+        _, (y_ref,) = ref.all_gather_matmul(x_ref, [w_ref], 0, name)
+        z_ref = ref.matmul_reduce_scatter(y_ref, w_ref.t(), 0, "sum", name)
+        assert torch.equal(z, z_ref)
+        grad = small_ints(z.shape, torch.float32, 90 + rank)
+        gx, gw = torch.autograd.grad(z, (x, w), grad)
+        gx_ref, gw_ref = torch.autograd.grad(z_ref, (x_ref, w_ref), grad)
+        assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref), plan
+
+
+@on_ranks(2, 3)
+def test_plans_move_the_pieces_they_say(world_size):
+    from comm_counts import c10d_calls, p2p_pieces
+
+    rank = dist.get_rank()
+    a = small_ints((4, 6 * world_size, 5), torch.float32, 5 + rank)
+    b = small_ints((5, 12), torch.float32, 6)
+    fastmesh.matmul_reduce_scatter(a, b, 1)  # the first call's shape check is behind us
+    for plan, pieces in ((plans.UNFUSED, 1), (plans.Plan("columns", 4), 4), (plans.Plan("rows", 2), 2)):
+        with plans.override(plan):
+            calls = c10d_calls(lambda: fastmesh.matmul_reduce_scatter(a, b, 1))
+        assert calls == p2p_pieces(world_size, pieces), (plan, calls)
+    shard = small_ints((8, 5), torch.float32, 7 + rank)
+    fastmesh.all_gather_matmul(shard, [b], 0)
+    with plans.override(plans.UNFUSED):
+        calls = c10d_calls(lambda: fastmesh.all_gather_matmul(shard, [b], 0))
+    assert calls == p2p_pieces(world_size, 1), calls
+
+
+@on_ranks(2)
+def test_ranks_agree_in_one_all_reduce_per_new_key():
+    from comm_counts import c10d_calls, p2p_pieces
+
+    plans.forget()
+    a = small_ints((6, 5), torch.float32, dist.get_rank())
+    b = small_ints((5, 4), torch.float32, 8)
+    fastmesh.all_gather_matmul(a, [b], 0, chunks=1)  # the first call's shape check is behind us
+    first = c10d_calls(lambda: fastmesh.all_gather_matmul(a, [b], 0))
+    agreement = {name: first.pop(name) for name in list(first) if "all_reduce" in name or "allreduce" in name}
+    assert agreement.get("c10d::allreduce_", agreement.get("_c10d_functional::all_reduce")) == 1, agreement
+    assert first == {**p2p_pieces(2, 1), "_c10d_functional::wait_tensor": 1}, first
+    assert c10d_calls(lambda: fastmesh.all_gather_matmul(a, [b], 0)) == p2p_pieces(2, 1)
+
+
+# ---- ranks agree ----
+
+def _gathered_labels(label: str) -> list:
+    labels = [None] * dist.get_world_size()
+    dist.all_gather_object(labels, label)
+    return labels
+
+
+@on_ranks(2, 3)
+def test_measured_plans_agree_when_each_rank_times_differently():
+    """Each rank is made to find a different plan fastest (an injected delay); the MAX over ranks decides, so
+    every rank takes the same plan, the one whose slowest rank is fastest."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cache_file = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], f"agree-{world}.json")
+    a = small_ints((8, 4), torch.float32, 1 + rank)
+    bs = [small_ints((4, 3), torch.float32, 2)]
+    call = _gather_call(a, bs, 0)
+    slow_here = call.candidates[rank % len(call.candidates)]  # rank r finds its own plan slow
+
+    def run(plan):  # the op's own kernel runs a plan like this (through the planner it would measure again)
+        time.sleep(0.02 if plan == slow_here else 0.001)
+        return _cpp_lib.load().all_gather_matmul(a, bs, 0, call.group_name, False, plan.pieces, plan.split)
+
+    plans.forget()
+    with environment(FASTMESH_TUNE="measure", FASTMESH_TUNE_CACHE=cache_file):
+        decision = plans.decide(call, 0, run)
+        labels = _gathered_labels(decision.plan.label)
+        assert len(set(labels)) == 1, labels
+        assert decision.source == "measured"
+        assert decision.plan not in {call.candidates[r % len(call.candidates)] for r in range(world)}
+        # Measured once, then agreed: a second call does not measure again.
+        assert plans.decide(call, 0, lambda plan: pytest.fail("measured twice")) == decision
+        with plans.override(decision.plan):
+            _, (out,) = torch.ops.fastmesh.all_gather_matmul(a, bs, 0, call.group_name, False)
+        _, (want,) = ref.all_gather_matmul(a, bs, 0, call.group_name)
+        assert torch.equal(out, want)
+    plans.forget()
+
+
+@on_ranks(2)
+def test_a_plan_cached_on_one_rank_only_is_rank_0s_choice_everywhere():
+    rank = dist.get_rank()
+    a = small_ints((8, 4), torch.float32, 1 + rank)
+    bs = [small_ints((4, 3), torch.float32, 2)]
+    cache_file = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], f"one-rank-{rank}.json")
+    with environment(FASTMESH_TUNE="model", FASTMESH_TUNE_CACHE=cache_file):
+        call = _gather_call(a, bs, 0)
+        model = plans._model(call).plan
+        other = next(p for p in call.candidates if p != model)
+        if rank == 0:
+            plans.cache().store(call.key, {"split": other.split, "pieces": other.pieces, "ms": {}})
+        dist.barrier()
+        plans.forget()
+        decision = plans.decide(call, 0, None)
+        assert _gathered_labels(decision.plan.label) == [other.label] * 2
+        assert decision.source == ("cache" if rank == 0 else "rank 0's plan")
+        # Where every rank has the plan cached, it comes from the cache everywhere.
+        if rank == 1:
+            plans.cache().store(call.key, {"split": other.split, "pieces": other.pieces, "ms": {}})
+        dist.barrier()
+        plans.forget()
+        assert plans.decide(call, 0, None).source == "cache"
+        # The op runs it, and the result is exact.
+        _, (out,) = fastmesh.all_gather_matmul(a, bs, 0)
+        assert plans.last_decision(AG)[1].plan == other
+        assert torch.equal(out, ref.all_gather_matmul(a, bs, 0, call.group_name)[1][0])
+    plans.forget()
+
+
+@on_ranks(2)
+def test_modes_and_given_pieces():
+    rank = dist.get_rank()
+    a = small_ints((8, 4), torch.float32, 1 + rank)
+    bs = [small_ints((4, 3), torch.float32, 2)]
+    plans.forget()
+    with environment(FASTMESH_TUNE="off"):
+        fastmesh.all_gather_matmul(a, bs, 0)
+        assert plans.last_decision(AG)[1].plan == plans.FIXED
+    fastmesh.all_gather_matmul(a, bs, 0, chunks=3)
+    assert plans.last_decision(AG)[1] == plans.Decision(plans.Plan("rows", 3), "pieces= given")
+    with environment(FASTMESH_TUNE="fast"):
+        with pytest.raises(ValueError, match="FASTMESH_TUNE must be one of off, model, measure, got 'fast'"):
+            fastmesh.all_gather_matmul(a, bs, 0)
+    plans.forget()
+
+
+# ---- the model ----
+
+def _shape(op, rows, k, ns, dtype="float32", outer=1, last=False, world=2):
+    size = {"float32": 4, "bfloat16": 2}[dtype]
+    return plan_model.Shape(op, world, rows, k, tuple(ns), outer, last, size, size, dtype, 1, "cpu")
+
+
+def _candidates(op):
+    rows = [plans.Plan("rows", p) for p in (1, 2, 4, 8)]
+    columns = [plans.Plan("columns", p) for p in (2, 4, 8)] if op == "reduce_scatter" else []
+    return rows + columns + [plans.UNFUSED]
+
+
+@pytest.mark.parametrize("op, rows, k, ns, dtype", [
+    # Where the issue measured fusing lose: few rows and a large weight (every piece re-reads b).
+    ("all_gather", 64, 4096, [4096], "float32"),
+    ("reduce_scatter", 128, 4096, [4096], "float32"),
+    ("reduce_scatter", 512, 8192, [1024], "bfloat16"),
+    ("all_gather", 256, 2048, [8192], "bfloat16"),
+])
+def test_model_does_not_cut_rows_when_the_weight_dominates(op, rows, k, ns, dtype):
+    chosen, times = plan_model.best(_shape(op, rows, k, ns, dtype), _candidates(op))
+    assert chosen.split != "rows", (chosen, times)
+    # And more row pieces only cost more passes over b.
+    assert times["rowsx1"] < times["rowsx2"] < times["rowsx4"] < times["rowsx8"]
+
+
+def test_model_overlaps_where_the_transfer_is_as_long_as_the_multiply():
+    # 2048 rows of 4096 bf16 per rank (16 MiB, ~11 ms over gloo) against a narrow multiply (~11 ms)
+    chosen, times = plan_model.best(_shape("all_gather", 2048, 4096, [48], "bfloat16"), _candidates("all_gather"))
+    assert chosen.split == "rows" and times[chosen.label] < 0.9 * times["unfused"], times
+
+
+# ---- the cache ----
+
+def _entry(label):
+    return {"split": "rows", "pieces": int(label), "ms": {}}
+
+
+def test_cache_is_written_once_and_reused(tmp_path):
+    path = str(tmp_path / "sub" / "plans.json")
+    writer = PlanCache(path)
+    assert writer.lookup("k") is None
+    writer.store("k", _entry(2))
+    assert PlanCache(path).lookup("k") == _entry(2)
+    data = json.loads(open(path).read())
+    assert data["format"] == plan_cache.FORMAT
+    (section,) = data["machines"].values()
+    assert section["machine"]["torch"] == torch.__version__ and list(section["plans"]) == ["k"]
+    # A second writer's entry is merged, not lost; the first sees it once the file changed.
+    PlanCache(path).store("k2", _entry(4))
+    assert writer.lookup("k2") == _entry(4) and writer.lookup("k") == _entry(2)
+
+
+def test_cache_is_invalidated_by_a_version_change(tmp_path, monkeypatch):
+    path = str(tmp_path / "plans.json")
+    PlanCache(path).store("k", _entry(2))
+    newer = dict(plan_cache.machine(), torch="9.9.9")
+    monkeypatch.setattr(plan_cache, "machine", lambda: newer)
+    assert PlanCache(path).lookup("k") is None
+    PlanCache(path).store("k", _entry(8))  # a section of its own, beside the old one
+    assert len(json.loads(open(path).read())["machines"]) == 2
+
+
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
+    path = tmp_path / "plans.json"
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the plan cache .*plans.json"):
+        assert PlanCache(str(path)).lookup("k") is None
+    with pytest.warns(UserWarning):
+        PlanCache(str(path)).store("k", _entry(2))
+    assert PlanCache(str(path)).lookup("k") == _entry(2)
+
+
+def _store_many(path, prefix, count):
+    cache = PlanCache(path)
+    for i in range(count):
+        cache.store(f"{prefix}{i}", _entry(i))
+
+
+def test_cache_is_safe_with_two_processes_writing(tmp_path):
+    path = str(tmp_path / "plans.json")
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_store_many, args=(path, prefix, 40)) for prefix in ("a", "b")]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=120)
+        assert w.exitcode == 0
+    entries = PlanCache(path).entries()
+    assert sorted(entries) == sorted([f"a{i}" for i in range(40)] + [f"b{i}" for i in range(40)])
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".plans-")]  # no temporary file left
