@@ -19,7 +19,8 @@ class Family:
 
     ``run(ctx)`` measures its cases and hands each to ``ctx.emit``; ``parse_case(spec, world)`` validates one
     ``--case NAME=SPEC`` (raising ValueError that says the expected form) before any rank starts;
-    ``dtypes``: the ``--dtype`` values it measures (others are ignored for it).
+    ``dtypes``: the ``--dtype`` values it measures (others are ignored for it); ``plot_ratio``: a ratio its plot
+    shows per case as sorted bars against 1.0 (None: each contender's figure across the cases).
     """
 
     name: str
@@ -28,6 +29,7 @@ class Family:
     dtypes: tuple[str, ...]
     run: Callable[["Context"], None]
     parse_case: Callable[[str, int], object]
+    plot_ratio: str | None = None
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Context:
     mesh: object = None
     rows: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)  # figures over all the family's cases (JSON only)
     _total: int = 0
     _started: float = field(default_factory=time.perf_counter)
 
@@ -76,7 +79,15 @@ def progress_line(row: dict) -> str:
     kernel = row["kernel"]
     figure = row["figures"][kernel]
     parts = [f"{row['case']} {row['dtype']}: {kernel} {figure['ms']['median']:.3g} ms"]
+    if "plan" in row:
+        parts[0] += f" ({plan_text(row)})"
     if "rate" in figure:
         parts.append(f"{figure['rate']['value']:.3g} {figure['rate']['unit']}")
     parts += [f"{name} {r['median']:.2f}" for name, r in row["ratios"].items()]
     return ", ".join(parts)
+
+
+def plan_text(row: dict) -> str:
+    """The plan a row's kernel took, as its table and progress line show it ("-": none recorded)."""
+    plan = row.get("plan")
+    return f"{plan['label']}, {plan['source']}" if plan else "-"

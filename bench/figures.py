@@ -9,7 +9,8 @@ A row is one case (shape, dtype) of one family, as plain JSON-ready data::
                  "unfused": {"kind": "baseline", ...}, "comm": {"kind": "part", ...},
                  "bound": {"kind": "bound", ...}},
      "ratios": {"speedup_vs_unfused": SPREAD, "fastmesh_over_bound": SPREAD, ...},
-     "notes": ["..."]}
+     "notes": ["..."],
+     "plan": {"label": "rowsx4", "source": "model", "decision": "..."}}  # fused ops only: the plan they took
 
 with SPREAD = {"median", "q1", "q3", "min", "max"}. Kinds: ``kernel`` (fastmesh), ``baseline`` (what fastmesh
 replaces), ``bound`` (the best any implementation could do, measured), ``part`` (a piece a bound is made of,
@@ -58,6 +59,7 @@ class Case:
     extra_ratios: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (numerator, denominator)
     notes: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)  # family-specific figures (JSON only)
+    plan: dict | None = None  # the plan the kernel took (fastmesh.ops.plans): label, source, decision
 
     def row(self) -> dict:
         figures = {}
@@ -81,6 +83,8 @@ class Case:
                "samples_s": {name: c.seconds for name, c in self.contenders.items()}}
         if self.details:
             row["details"] = self.details
+        if self.plan:
+            row["plan"] = self.plan
         check_row(row)
         return row
 

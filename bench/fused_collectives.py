@@ -19,7 +19,8 @@ peer), and ``cpu_bound = matmul + (CPU share of p2p) x p2p``: on CPU the transfe
 overlaps. Targets (issue 4): fastmesh/bound <= 1.10, and speedup_vs_unfused >= 1.15 where comm/matmul >= 0.25.
 
 Every call starts with a barrier and counts as long as its slowest rank. Every fastmesh result is checked
-against the unfused one (random inputs) before timing.
+against the unfused one (random inputs) before timing. Each row names the plan the fused op took
+(``fastmesh.ops.plans``: its label and where it came from).
 
 Cases: ``--case fused_collectives=ag:2048x4096:0:384`` = op (``ag`` all_gather_matmul, ``rs``
 matmul_reduce_scatter), this rank's ``a_shard`` (ag) or ``a`` (rs) shape, the gathered / scattered dim, the
@@ -39,6 +40,7 @@ import fastmesh
 from fastmesh.bench.family import Context, Family
 from fastmesh.bench.figures import Case, Contender
 from fastmesh.bench.timing import time_slowest_rank
+from fastmesh.ops import plans
 
 E4M3 = torch.float8_e4m3fn
 _OP_CODES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}
@@ -84,7 +86,8 @@ class Spec:
         return f"{self.op} [{', '.join(map(str, self.shape))}] d{self.dim} N={ns}{chunks}"
 
 
-def parse_spec(spec: str, world: int = 2) -> Spec:
+def parse_spec(spec: str, world: int = 2, family: str = "fused_collectives") -> Spec:
+    """A ``--case`` spec of ``family`` (see the module docstring); ValueError says the expected form."""
     try:
         code, shape, dim, ns, *chunks = spec.split(":")
         if len(chunks) > 1:
@@ -92,20 +95,20 @@ def parse_spec(spec: str, world: int = 2) -> Spec:
         parsed = Spec(_OP_CODES[code], tuple(int(s) for s in shape.split("x")), int(dim),
                       tuple(int(n) for n in ns.split(",")), int(chunks[0]) if chunks else 0)
     except (KeyError, ValueError):
-        raise ValueError(f'fused_collectives case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:CHUNKS]", '
+        raise ValueError(f'{family} case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:CHUNKS]", '
                          'e.g. "ag:2048x4096:0:384" or "ag:2048x4096:0:384:4"') from None
     ndim = len(parsed.shape)
     if parsed.chunks < 0:
-        raise ValueError(f"fused_collectives case {spec!r}: CHUNKS must be >= 0 (0: the op's automatic count)")
+        raise ValueError(f"{family} case {spec!r}: CHUNKS must be >= 0 (0: the op's automatic count)")
     if ndim < 2 or not -ndim <= parsed.dim < ndim or min(parsed.shape + parsed.ns) <= 0:
-        raise ValueError(f"fused_collectives case {spec!r}: the shape needs >= 2 positive dims and dim in "
+        raise ValueError(f"{family} case {spec!r}: the shape needs >= 2 positive dims and dim in "
                          f"[{-ndim}, {ndim})")
     if parsed.op == "matmul_reduce_scatter":
         if len(parsed.ns) != 1:
-            raise ValueError(f"fused_collectives case {spec!r}: matmul_reduce_scatter takes one b")
+            raise ValueError(f"{family} case {spec!r}: matmul_reduce_scatter takes one b")
         out_shape = parsed.shape[:-1] + parsed.ns
         if out_shape[parsed.dim] % world:
-            raise ValueError(f"fused_collectives case {spec!r}: the scattered dim ({out_shape[parsed.dim]}) must be "
+            raise ValueError(f"{family} case {spec!r}: the scattered dim ({out_shape[parsed.dim]}) must be "
                              f"divisible by the {world} ranks")
     return parsed
 
@@ -171,6 +174,7 @@ class _Gather:
         world, rank = group.size(), group.rank()
         self.spec, self.group, self.world, self.rank = spec, group, world, rank
         self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
+        self.fused_op = "fastmesh::all_gather_scaled_matmul" if granularity else "fastmesh::all_gather_matmul"
         self.all_gather, _ = c10d_collectives()
         dtype = TORCH_DTYPES[dtype_name]
         self.dim = spec.dim % len(spec.shape)
@@ -227,6 +231,10 @@ class _Gather:
 
     def unfused(self):
         self.comm()
+        return self.multiply_gathered()
+
+    def multiply_gathered(self):
+        """The unfused sequence after the all-gather into ``gathered`` (and ``scale_gathered``)."""
         a_full = self._reorder(self.gathered, self.a_full)
         if not self.fp8:
             for b, out in zip(self.bs, self.outs):
@@ -252,15 +260,18 @@ class _Gather:
     def p2p(self):
         exchange(self.group, [self.shard] * self.world, self.received)
 
-    def check(self, dtype_name):
-        got = [t.clone() for t in self.fastmesh()]
+    def check(self, dtype_name, candidate=None):
+        """``candidate`` (default: the fused op) against the unfused sequence."""
+        candidate = candidate or self.fastmesh
+        got = [t.clone() for t in candidate()]
         want = self.unfused()
         rtol, atol = _TOLERANCES[dtype_name]
         if self.dim == len(self.spec.shape) - 1 and dtype_name != "float32":
             atol *= self.world  # K split over ranks: partial products rounded per rank
         for i, (g, w) in enumerate(zip(got, want)):
             torch.testing.assert_close(g, w, rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {self.rank}, {self.label}, output {i}: {m}")
+                                       msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}, "
+                                                     f"output {i}: {m}")
 
     def symm_mem(self):
         return torch.ops.symm_mem.fused_all_gather_matmul(self.shard, self.bs, self.dim, self.group.group_name)
@@ -273,6 +284,7 @@ class _Scatter:
         world, rank = group.size(), group.rank()
         self.spec, self.group, self.world, self.rank = spec, group, world, rank
         self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
+        self.fused_op = "fastmesh::scaled_matmul_reduce_scatter" if granularity else "fastmesh::matmul_reduce_scatter"
         _, self.reduce_scatter = c10d_collectives()
         dtype = TORCH_DTYPES[dtype_name]
         (n,) = spec.ns
@@ -319,24 +331,30 @@ class _Scatter:
         self.reduce_scatter(self.out, self.comm_send, group=self.group)
 
     def unfused(self):
+        self.reduce_scatter(self.out, self.product_blocks(), group=self.group)
+        return self.out
+
+    def product_blocks(self):
+        """The unfused sequence before the reduce-scatter: the product, laid out as c10d scatters it."""
         self.matmul()
         if self.dim != 0:  # c10d scatters rank-major blocks of dim 0: bring dim's blocks there
             self.send.unflatten(0, (self.world, -1)).copy_(self.c.unflatten(self.dim, (self.world, -1)).movedim(self.dim, 0))
-        self.reduce_scatter(self.out, self.send, group=self.group)
-        return self.out
+        return self.send
 
     def p2p(self):
         exchange(self.group, list(self.comm_send.chunk(self.world)), self.partials)
 
-    def check(self, dtype_name):
-        got = self.fastmesh().clone()
+    def check(self, dtype_name, candidate=None):
+        """``candidate`` (default: the fused op) against the unfused sequence."""
+        candidate = candidate or self.fastmesh
+        got = candidate().clone()
         want = self.unfused()
         rtol, atol = _TOLERANCES[dtype_name]
         if dtype_name != "float32":
             # gloo's reduce-scatter rounds after every addition, the fused op sums in fp32 and rounds once
             atol *= self.world
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
-                                   msg=lambda m: f"rank {self.rank}, {self.label}: {m}")
+                                   msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}: {m}")
 
     def symm_mem(self):
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(self.a, self.b, "sum", self.dim, self.group.group_name)
@@ -358,12 +376,19 @@ def _symm_mem_note(ctx: Context, runner) -> str | None:
     return None
 
 
-def _cases(ctx: Context):
+def cases(ctx: Context, full: dict, quick: dict, fp8_granularities: tuple = FP8_GRANULARITIES):
+    """(spec, dtype name, FP8 granularity or None) of each case: the --case specs, else ``quick`` or ``full``'s
+    specs of each dtype; float8 in each of ``fp8_granularities``."""
     for dtype_name in (d for d in ctx.dtypes if d in TORCH_DTYPES):
-        specs = ctx.cases or (QUICK_CASES if ctx.quick else FULL_CASES)[dtype_name]
-        for spec in specs:
-            for granularity in (FP8_GRANULARITIES if dtype_name == "float8" else (None,)):
-                yield parse_spec(spec, ctx.group.size()), dtype_name, granularity
+        for spec in ctx.cases or (quick if ctx.quick else full)[dtype_name]:
+            for granularity in (fp8_granularities if dtype_name == "float8" else (None,)):
+                yield parse_spec(spec, ctx.group.size(), ctx.family), dtype_name, granularity
+
+
+def case_params(spec: Spec, granularity: str | None, world: int) -> dict:
+    """A row's params: what reproduces the case."""
+    return {"op": spec.op, "shape": list(spec.shape), "dim": spec.dim, "ns": list(spec.ns), "chunks": spec.chunks,
+            "granularity": granularity, "world": world}
 
 
 def rowwise_scaled_mm_on_cpu() -> bool:
@@ -371,16 +396,33 @@ def rowwise_scaled_mm_on_cpu() -> bool:
     return version >= (2, 13)
 
 
+def skipped(spec: Spec, granularity: str | None, device: torch.device) -> str | None:
+    """Why a case cannot run here (the family notes it), or None."""
+    if granularity == "rowwise" and device.type == "cpu" and not rowwise_scaled_mm_on_cpu():
+        return f"{spec.label()} float8 rowwise skipped: torch < 2.13 has no row-wise _scaled_mm on CPU"
+    if granularity and spec.op == "all_gather_matmul" and spec.dim % len(spec.shape) == len(spec.shape) - 1:
+        return f"{spec.label()} float8 skipped: the FP8 form gathers rows only (gather_dim before the last)"
+    return None
+
+
+def plan_taken(runner) -> dict | None:
+    """The plan of the fused op's latest call (the timed calls': a key's plan is decided once per process), or None
+    where the op plans nothing (one rank)."""
+    last = plans.last_decision(runner.fused_op)
+    if last is None:
+        return None
+    _, decision = last
+    return {"label": decision.plan.label, "source": decision.source, "decision": decision.describe()}
+
+
 def run(ctx: Context) -> None:
-    cases = list(_cases(ctx))
-    ctx.expect(len(cases))
+    todo = list(cases(ctx, FULL_CASES, QUICK_CASES))
+    ctx.expect(len(todo))
     gloo = ctx.device.type == "cpu"
-    for spec, dtype_name, granularity in cases:
-        if granularity == "rowwise" and gloo and not rowwise_scaled_mm_on_cpu():
-            ctx.note(f"{spec.label()} float8 rowwise skipped: torch < 2.13 has no row-wise _scaled_mm on CPU")
-            continue
-        if granularity and spec.op == "all_gather_matmul" and spec.dim % len(spec.shape) == len(spec.shape) - 1:
-            ctx.note(f"{spec.label()} float8 skipped: the FP8 form gathers rows only (gather_dim before the last)")
+    for spec, dtype_name, granularity in todo:
+        reason = skipped(spec, granularity, ctx.device)
+        if reason:
+            ctx.note(reason)
             continue
         runner = (_Gather if spec.op == "all_gather_matmul" else _Scatter)(spec, dtype_name, granularity, ctx.group,
                                                                           ctx.device)
@@ -412,10 +454,9 @@ def run(ctx: Context) -> None:
                                                                                        timings["p2p"])], *flops)
             details["p2p_cpu_share"] = share
         label = runner.label
-        params = {"op": spec.op, "shape": list(spec.shape), "dim": spec.dim, "ns": list(spec.ns), "chunks": spec.chunks,
-                  "granularity": granularity, "world": ctx.group.size()}
+        params = case_params(spec, granularity, ctx.group.size())
         ctx.emit(Case("fused_collectives", label, dtype_name, "fastmesh", contenders, params=params,
-                      extra_ratios={"comm_over_matmul": ("comm", "matmul")}, details=details))
+                      extra_ratios={"comm_over_matmul": ("comm", "matmul")}, details=details, plan=plan_taken(runner)))
 
 
 FAMILY = Family("fused_collectives", "all_gather_matmul and matmul_reduce_scatter (fp32, bf16, FP8) against the "

@@ -2,13 +2,15 @@
 
 Memory-bound families (their kernel has a GB/s rate) plot GB/s, so the bound (copy or read bandwidth) is the
 ceiling; the others plot milliseconds per call, so the bound is the floor. Bars span the interquartile range.
-Needs matplotlib (``pip install 'fastmesh[bench]'``).
+A family with a ``plot_ratio`` (``sweep``) plots that ratio instead: one bar per case from a line at 1.0,
+sorted, labelled with the plan the kernel took. Needs matplotlib (``pip install 'fastmesh[bench]'``).
 """
 
 from __future__ import annotations
 
 import os
 
+from fastmesh.bench.family import plan_text
 from fastmesh.bench.report import contender_order
 
 _STYLE = {"kernel": ("o", "-"), "baseline": ("s", "--"), "bound": ("", ":"), "part": ("^", "-.")}
@@ -23,13 +25,21 @@ def matplotlib_missing() -> str | None:
     return None
 
 
-def plot_family(family: str, rows: list[dict], out_dir: str) -> str:
-    """Writes ``out_dir/<family>.png``; returns its path."""
+def plot_family(family: str, rows: list[dict], out_dir: str, ratio: str | None = None) -> str:
+    """Writes ``out_dir/<family>.png``; returns its path. With ``ratio``: that ratio per case, as sorted bars."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    fig = _ratio_bars(plt, family, rows, ratio) if ratio else _figures(plt, family, rows)
+    path = os.path.join(out_dir, f"{family}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _figures(plt, family: str, rows: list[dict]):
     in_gbs = all(r["figures"][r["kernel"]].get("rate", {}).get("unit") == "GB/s" for r in rows)
     labels = [f"{r['case']} {r['dtype']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(rows) + 3), 5.0))
@@ -64,7 +74,28 @@ def plot_family(family: str, rows: list[dict], out_dir: str) -> str:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = os.path.join(out_dir, f"{family}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _ratio_bars(plt, family: str, rows: list[dict], ratio: str):
+    """One horizontal bar per case from 1.0 to the ratio's median (interquartile range as error bars), sorted, so
+    that the cases on either side of 1.0 read at a glance."""
+    ordered = sorted(rows, key=lambda r: r["ratios"][ratio]["median"])
+    spreads = [r["ratios"][ratio] for r in ordered]
+    medians = [s["median"] for s in spreads]
+    ys = range(len(ordered))
+    fig, ax = plt.subplots(figsize=(12.0, 0.3 * len(ordered) + 1.8), layout="constrained")
+    ax.barh(ys, [m - 1.0 for m in medians], left=1.0, color=["tab:green" if m >= 1.0 else "tab:red" for m in medians],
+            xerr=[[s["median"] - s["q1"] for s in spreads], [s["q3"] - s["median"] for s in spreads]], capsize=2,
+            error_kw={"elinewidth": 0.8})
+    for y, s in zip(ys, spreads):  # the value beyond the whisker of the bar's far end
+        ahead = s["median"] >= 1.0
+        ax.text(s["q3"] if ahead else s["q1"], y, f" {s['median']:.2f} ", va="center", ha="left" if ahead else "right",
+                fontsize=6)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels([f"{r['case']} {r['dtype']} [{plan_text(r)}]" for r in ordered], fontsize=7)
+    ax.set_xlabel(f"{ratio} (median of per-round ratios; > 1: {rows[0]['kernel']} faster)")
+    ax.set_title(f"fastmesh bench: {family}")
+    ax.grid(True, axis="x", alpha=0.3)
+    return fig

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from fastmesh.bench.family import plan_text
 from fastmesh.bench.machine import summary_lines
 
 _KIND_ORDER = {"kernel": 0, "baseline": 1, "part": 2, "bound": 3}
@@ -26,10 +27,11 @@ def _ratio_order(rows: list[dict]) -> list[str]:
     return names
 
 
-def _columns(rows: list[dict]) -> tuple[list[str], list[str], str | None]:
-    """A family's table columns: its contenders, its ratios, and the unit of the kernel's rate (None: no rate)."""
+def _columns(rows: list[dict]) -> tuple[list[str], list[str], str | None, bool]:
+    """A family's table columns: its contenders, its ratios, the unit of the kernel's rate (None: no rate), and
+    whether a plan column follows the kernel's (the first contender)."""
     unit = next((r["figures"][r["kernel"]]["rate"]["unit"] for r in rows if "rate" in r["figures"][r["kernel"]]), None)
-    return contender_order(rows), _ratio_order(rows), unit
+    return contender_order(rows), _ratio_order(rows), unit, any("plan" in r for r in rows)
 
 
 def _cell(spread_: dict | None, fmt: str, iqr_fmt: str) -> str:
@@ -40,10 +42,13 @@ def _cell(spread_: dict | None, fmt: str, iqr_fmt: str) -> str:
 
 def table(family: str, rows: list[dict]) -> str:
     """A family's rows as a text table: each contender's median ms ±IQR, the kernel's rate, every ratio."""
-    contenders, ratios, kernel_rate_unit = _columns(rows)
+    contenders, ratios, kernel_rate_unit, planned = _columns(rows)
     case_width = max(len(r["case"]) for r in rows)
     titles = [f"{name} ms" for name in contenders] + ([kernel_rate_unit] if kernel_rate_unit else []) + ratios
     widths = [max(len(t), 11) for t in titles]
+    if planned:
+        titles.insert(1, "plan")
+        widths.insert(1, max(len(plan_text(r)) for r in rows))
     lines = [f"{family}: median ±IQR over the rounds; ratios per round (speedup_vs_X = X / kernel, "
              "kernel_over_bound = kernel / bound)",
              f"{'case':{case_width}s} {'dtype':8s} " + " ".join(f"{t:>{w}s}" for t, w in zip(titles, widths))]
@@ -53,14 +58,18 @@ def table(family: str, rows: list[dict]) -> str:
             rate = row["figures"][row["kernel"]].get("rate")
             cells.append("-" if rate is None else f"{rate['value']:.1f}")
         cells += [_cell(row["ratios"].get(name), ".2f", ".2f") for name in ratios]
+        if planned:
+            cells.insert(1, plan_text(row))
         lines.append(f"{row['case']:{case_width}s} {row['dtype']:8s} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
     return "\n".join(lines)
 
 
 def markdown(family: str, rows: list[dict]) -> str:
     """A family's rows as a markdown table of medians (ms, the kernel's rate, ratios); spreads are in the JSON."""
-    contenders, ratios, unit = _columns(rows)
+    contenders, ratios, unit, planned = _columns(rows)
     titles = ["case", "dtype", *(f"{name} ms" for name in contenders), *([unit] if unit else []), *ratios]
+    if planned:
+        titles.insert(3, "plan")
     lines = [f"| {' | '.join(titles)} |", "|" + "---|" * len(titles)]
     for row in rows:
         cells = [row["case"], row["dtype"]]
@@ -69,6 +78,8 @@ def markdown(family: str, rows: list[dict]) -> str:
             rate = row["figures"][row["kernel"]].get("rate")
             cells.append("-" if rate is None else f"{rate['value']:.3g}")
         cells += [f"{row['ratios'][name]['median']:.2f}" if name in row["ratios"] else "-" for name in ratios]
+        if planned:
+            cells.insert(3, plan_text(row))
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -81,11 +92,13 @@ def write_json(path: str, meta: dict, families: dict, skipped: dict) -> str:
 
 
 def write_markdown(path: str, meta: dict, families: dict) -> str:
-    """The machine lines, then each family's markdown table."""
+    """The machine lines, then each family's markdown table and notes."""
     with open(path, "w") as f:
         f.write("\n".join(summary_lines(meta)) + "\n")
         for name, result in families.items():
             if result["rows"]:
                 f.write(f"\n{name} (medians over {meta['run']['repeats']} rounds; spreads in bench.json)\n\n"
                         f"{markdown(name, result['rows'])}\n")
+                if result["notes"]:
+                    f.write("\n" + "".join(f"- note: {note}\n" for note in result["notes"]))
     return path

@@ -7,7 +7,7 @@
     fastmesh bench --device cuda                 # on GPUs (distributed families need two or more)
 
 Single-process families (``fp8_quantize``, ``amax``) run in this process with every core. Distributed families
-(``fused_collectives``, ``tp_block``) run on ranks started here with torch's elastic launcher
+(``fused_collectives``, ``sweep``, ``tp_block``) run on ranks started here with torch's elastic launcher
 (``torch.distributed.launcher.api.elastic_launch``, what ``torchrun`` uses), ``--world`` of them (default 2 on CPU,
 every GPU on CUDA), with ``cores // world`` intra-op threads each; or, under ``torchrun``, on its world.
 """
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastmesh.bench import fp8_quantize, fused_collectives, launch, machine, plots, report, tp_block
+from fastmesh.bench import fp8_quantize, fused_collectives, launch, machine, plots, report, sweep, tp_block
 from fastmesh.bench.family import DTYPES, Context
 from fastmesh.bench.timing import clock_for
 
-FAMILIES = {f.name: f for f in (*fp8_quantize.FAMILIES, fused_collectives.FAMILY, tp_block.FAMILY)}
+FAMILIES = {f.name: f for f in (*fp8_quantize.FAMILIES, fused_collectives.FAMILY, sweep.FAMILY, tp_block.FAMILY)}
 QUICK_REPEATS, QUICK_WARMUP, FULL_REPEATS, FULL_WARMUP = 5, 1, 15, 3
 
 
@@ -117,6 +117,8 @@ def _run_families(plan: Plan, names: list[str], leader: bool, group=None, mesh=N
             ctx.note(f"nothing measured: --dtype {' '.join(plan.dtypes)} has none of its dtypes "
                      f"({' '.join(family.dtypes)})")
         results[name] = {"description": family.description, "rows": ctx.rows, "notes": ctx.notes}
+        if ctx.summary:
+            results[name]["summary"] = ctx.summary
     return results
 
 
@@ -249,8 +251,8 @@ def _write_outputs(args, meta: dict, results: dict, skipped: dict, seconds: floa
     if missing:
         print(f"plots not written: {missing}")
     elif not args.no_plots:
-        written += [plots.plot_family(name, result["rows"], args.out) for name, result in results.items()
-                    if result["rows"]]
+        written += [plots.plot_family(name, result["rows"], args.out, FAMILIES[name].plot_ratio)
+                    for name, result in results.items() if result["rows"]]
     for path in written:
         print(f"wrote {path}")
     print(f"total {seconds:.0f} s")

@@ -6,6 +6,7 @@ options), not timed tests: nothing here compares speeds.
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from fastmesh.bench import figures, fused_collectives, runner
 
 TINY_CASES = ["fp8_quantize=256x256", "amax=256x256", "fused_collectives=ag:64x128:0:32",
               "fused_collectives=rs:2x64x32:1:64", "fused_collectives=ag:2x32x128:1:16,8:2",
-              "fused_collectives=ag:64x64:-1:16", "tp_block=2x64x256x256"]
+              "fused_collectives=ag:64x64:-1:16", "sweep=rs:64x32:0:64", "tp_block=2x64x256x256"]
 TINY = ["--repeats", "2", "--warmup", "0"]
 META_KEYS = {"date", "machine", "versions", "commit", "command", "run"}
 RUN_KEYS = {"device", "quick", "repeats", "warmup", "launcher", "world", "threads_per_rank", "backend", "allocator"}
@@ -100,6 +101,7 @@ def test_runner_every_family_on_tiny_sizes(tmp_path):
     assert {"native", "native_c", "native_c+pass", "fastmesh_c"} <= set(block["float32"]["figures"])
     assert "pass_speedup" in block["float32"]["ratios"] and "native" in block["float8"]["figures"]
     assert sum("chunks=2" in r["case"] and r["params"]["chunks"] == 2 for r in fused) == 3  # float32, 2 x float8
+    assert all(r["plan"]["label"] == "rowsx2" for r in fused if r["params"]["chunks"] == 2)
     notes = " ".join(rows["fused_collectives"]["notes"])
     assert "symm_mem baseline not run" in notes and "[64, 64] d-1 N=16 float8 skipped" in notes
     # The table and the progress lines.
@@ -113,6 +115,34 @@ def test_runner_every_family_on_tiny_sizes(tmp_path):
             assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert not pngs and "plots not written: matplotlib is not installed" in stdout
+
+
+def test_sweep_names_each_plan_and_summarizes(tmp_path):
+    cases = ["--case", "sweep=ag:2x32x64:1:48", "--case", "sweep=rs:64x32:0:64:2"]
+    result, stdout, out = _run(["--only", "sweep", "--dtype", "float32", "float8", "--no-plots", *cases, *TINY],
+                               tmp_path)
+    sweep = result["families"]["sweep"]
+    rows = sweep["rows"]
+    _check_rows(rows, "sweep")
+    assert [(r["params"]["op"], r["dtype"]) for r in rows] == [
+        ("all_gather_matmul", "float32"), ("matmul_reduce_scatter", "float32"),
+        ("all_gather_matmul", "float8"), ("matmul_reduce_scatter", "float8")]
+    for row in rows:
+        samples = row["samples_s"]
+        better = min(("unfused_tensor", "unfused_list"), key=lambda name: statistics.median(samples[name]))
+        assert samples["best_unfused"] == samples[better]
+        assert row["plan"]["label"] and row["plan"]["source"] and row["plan"]["label"] in row["plan"]["decision"]
+        assert f"({row['plan']['label']}, {row['plan']['source']})" in stdout, "the progress line names the plan"
+    # a piece count given in the case is the plan the timed calls ran
+    assert [r["plan"]["label"] for r in rows if r["params"]["chunks"] == 2] == ["rowsx2", "rowsx2"]
+    speedups = [r["ratios"]["speedup_vs_best_unfused"]["median"] for r in rows]
+    summary = sweep["summary"]
+    assert list(summary) == ["float32", "float8", "all"] and summary["all"]["shapes"] == 4
+    assert summary["all"]["worst"]["speedup"] == min(speedups)
+    assert summary["all"]["below_1"] == sum(s < 1.0 for s in speedups)
+    assert min(speedups) <= summary["all"]["geomean"] <= max(speedups)
+    assert sum(note.startswith("summary ") for note in sweep["notes"]) == 3
+    assert "- note: summary all: 4 shapes" in (out / "bench.md").read_text()
 
 
 @pytest.mark.smoke
@@ -141,6 +171,7 @@ def test_runner_under_torchrun_uses_its_world(tmp_path):
     (["--case", "fused_collectives=rs:3x64:0:64"], "must be divisible by the 2 ranks"),
     (["--case", "fused_collectives=xx:64:0:32"], 'expected "ag|rs:DxDx..:dim:N[,N..][:CHUNKS]"'),
     (["--case", "fused_collectives=ag:64x128:0:32:-1"], "CHUNKS must be >= 0"),
+    (["--case", "sweep=ag:64x128:0"], "sweep case 'ag:64x128:0': expected"),
     (["--case", "tp_block=2x64x200x256"], "must be positive and divisible by the 2 ranks"),
     (["--case", "fp8_quantize=100x256"], "multiples of 128"),
     (["--case", "nosuch=1"], "expected NAME=SPEC with NAME one of fp8_quantize"),
