@@ -16,6 +16,8 @@ import fastmesh
 from fastmesh import _cpp_lib
 from fastmesh.kernels import fused_reference as ref
 from fastmesh.ops import plan_cache, plan_model, plans
+from fastmesh.ops.fused_collectives import gather_plan_call, scatter_plan_call
+from fastmesh.ops.fused_collectives_fp8 import scaled_gather_plan_call, scaled_scatter_plan_call
 from fastmesh.ops.plan_cache import PlanCache
 from environment import environment
 from rank_pool import on_ranks
@@ -35,20 +37,12 @@ def _group():
 
 
 def _gather_call(a_shard, bs, dim):
-    group, name = _group()
-    resolved = plans_group(name)
-    return plans.gather_call(AG, resolved, name, a_shard, [b.shape[1] for b in bs], dim % a_shard.dim(), a_shard.dtype)
+    """The Call the op's kernel plans (the same key)."""
+    return gather_plan_call(a_shard, bs, dim % a_shard.dim(), _group()[1])
 
 
 def _scatter_call(a, b, dim):
-    group, name = _group()
-    return plans.scatter_call(RS, plans_group(name), name, a, b.shape[1], dim % a.dim(), a.dtype)
-
-
-def plans_group(name):
-    from fastmesh.ops._fused_common import resolve_group
-
-    return resolve_group(name, "test")
+    return scatter_plan_call(a, b, dim % a.dim(), _group()[1])
 
 
 # ---- every plan gives the reference's result ----
@@ -105,8 +99,7 @@ def test_every_plan_of_the_fp8_ops_gives_the_same_bits():
         if rowwise or not _cpu_rowwise_needed():
             _, _, (want,) = torch.ops.fastmesh.all_gather_scaled_matmul(a, a_scale, [b], [b_scale], 1, name,
                                                                         torch.float32, False)
-            call = plans.gather_call("fastmesh::all_gather_scaled_matmul", plans_group(name), name, a, [32], 1, a.dtype,
-                                     allow_unfused=rowwise)
+            call = scaled_gather_plan_call(a, a_scale, [b], 1, name, torch.float32)
             for plan in call.candidates:
                 with plans.override(plan):
                     _, _, (got,) = torch.ops.fastmesh.all_gather_scaled_matmul(a, a_scale, [b], [b_scale], 1, name,
@@ -115,8 +108,7 @@ def test_every_plan_of_the_fp8_ops_gives_the_same_bits():
         for dim in (1, 2):
             want = torch.ops.fastmesh.scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, dim, "sum", name,
                                                                    torch.float32)
-            call = plans.scatter_call("fastmesh::scaled_matmul_reduce_scatter", plans_group(name), name, a, 32, dim,
-                                      torch.float32)
+            call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, name, torch.float32)
             for plan in call.candidates:
                 with plans.override(plan):
                     got = torch.ops.fastmesh.scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, dim, "sum", name,
@@ -362,3 +354,48 @@ def test_cache_is_safe_with_two_processes_writing(tmp_path):
     entries = PlanCache(path).entries()
     assert sorted(entries) == sorted([f"a{i}" for i in range(40)] + [f"b{i}" for i in range(40)])
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".plans-")]  # no temporary file left
+
+
+# ---- under inductor ----
+
+def _compiled_layer(x, w1, w2):
+    _, (h,) = fastmesh.all_gather_matmul(x, [w1], 0)
+    return fastmesh.matmul_reduce_scatter(torch.relu(h), w2, 0)
+
+
+@on_ranks(2, timeout=300)
+def test_inductor_traces_unfused_plans_as_torchs_collectives():
+    """Tiny static shapes: the model's plan is unfused, and inductor's graph holds torch's functional
+    collectives instead of the ops (the ops' kernels never run); with a fused plan in the cache the ops stay.
+    Forward and backward equal eager either way."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._inductor import config as inductor_config
+
+    rank = dist.get_rank()
+    x = small_ints((6, 5), torch.float32, 3 + rank).requires_grad_()
+    w1, w2 = small_ints((5, 4), torch.float32, 4), small_ints((4, 6), torch.float32, 5)
+    grad = small_ints((6, 6), torch.float32, 6 + rank)
+    want = _compiled_layer(x, w1, w2)
+    (want_grad,) = torch.autograd.grad(want, x, grad)
+    cache_file = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], f"inductor-{rank}.json")
+    for cached in (None, plans.Plan("rows", 2)):
+        with environment(FASTMESH_TUNE="model", FASTMESH_TUNE_CACHE=cache_file), \
+                inductor_config.patch(fx_graph_cache=False):
+            if cached is not None:
+                h = torch.empty(2 * x.shape[0], w1.shape[1])  # the gathered product the reduce-scatter multiplies
+                for call in (_gather_call(x, [w1], 0), _scatter_call(h, w2, 0)):
+                    plans.cache().store(call.key, {"split": cached.split, "pieces": cached.pieces, "ms": {}})
+            plans.forget()
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("inductor")
+            got = torch.compile(_compiled_layer, fullgraph=True, backend=counter)(x, w1, w2)
+            (got_grad,) = torch.autograd.grad(got, x, grad)
+        assert counter.frame_count == 1
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad), cached
+        ran = {op: plans.last_decision(op) for op in (AG, RS)}
+        if cached is None:
+            assert ran == {AG: None, RS: None}, ran  # traced as torch's collectives: the ops never ran
+        else:
+            assert all(d is not None and d[1].plan == cached for d in ran.values()), ran
+    torch._dynamo.reset()
+    plans.forget()

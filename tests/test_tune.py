@@ -53,14 +53,13 @@ def _block_key(key):
 
 
 def _check_entry(entry):
+    """A measured entry: its plan is one of the candidates it was measured against, each with a positive time.
+    (Which one wins is judged by per-round ratios to the unfused plan, not kept in the entry.)"""
     figures = entry["ms"]
     chosen = plans.Plan(entry["split"], entry["pieces"]).label
     assert chosen in figures, (chosen, figures)
-    fastest = min(figures.values())
-    if chosen == plans.UNFUSED.label:
-        assert figures[chosen] * (1 - plans.MEASURE_MARGIN) <= fastest, figures
-    else:
-        assert figures[chosen] == fastest, figures
+    assert plans.UNFUSED.label in figures or entry["split"] == "rows", figures
+    assert all(ms > 0 for ms in figures.values()), figures
 
 
 def _table_rows(stdout):

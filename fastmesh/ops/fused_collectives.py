@@ -80,7 +80,7 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.kernels.fused_reference import all_gather
 from fastmesh.mesh import group_name as _group_name_of
-from fastmesh.ops import _dtensor, chunked_gather, plans
+from fastmesh.ops import _dtensor, chunked_gather, plans, traced_unfused
 from fastmesh.ops._checks import wrap_dim
 from fastmesh.ops._fused_common import (
     check_chunks,
@@ -165,6 +165,7 @@ def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, chunk
 
 @torch.library.register_fake(qualified_name("all_gather_matmul"))
 def _all_gather_matmul_fake(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0):
+    traced_unfused.register_once()  # being traced: inductor may trace an unfused plan as its collective
     world = group_size(group_name, _AG)
     dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, chunks)
     full = gathered_shape(a_shard.shape, dim, world)
@@ -174,6 +175,7 @@ def _all_gather_matmul_fake(a_shard, bs, gather_dim, group_name, return_a=False,
 
 @torch.library.register_fake(qualified_name("matmul_reduce_scatter"))
 def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, chunks=0):
+    traced_unfused.register_once()
     world = group_size(group_name, _RS)
     dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, chunks)
     return a.new_empty(scattered_shape(a.shape, b.shape[1], dim, world))

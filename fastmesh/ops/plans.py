@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import math
 import os
 import statistics
 import threading
@@ -32,9 +34,10 @@ import time
 from typing import Callable, Optional
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fastmesh.ops import plan_model
-from fastmesh.ops.plan_cache import PlanCache
+from fastmesh.ops.plan_cache import PlanCache, default_path
 
 logger = logging.getLogger("fastmesh.plans")
 
@@ -43,7 +46,8 @@ MODES = ("off", "model", "measure")
 SPLITS = ("rows", "columns", "none", "consumer_gemm")
 # A measured fused plan must beat the unfused one by this much: less is noise on a loaded machine.
 MEASURE_MARGIN = 0.01
-MEASURE_ROUNDS = 5  # timed rounds per candidate, after one warm-up round
+MEASURE_ROUNDS = 5  # timed rounds per candidate at least, after one warm-up round
+MEASURE_SECONDS = 2.0  # what the timed rounds of one key should take in all, where MEASURE_ROUNDS take less
 
 
 def mode() -> str:
@@ -94,11 +98,12 @@ class Call:
     shape: plan_model.Shape
     candidates: tuple  # Plans this call can run
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         device = self.device.type
         if device == "cuda":
-            device += ":" + torch.cuda.get_device_name(self.device)
+            with contextlib.suppress(RuntimeError, AssertionError):  # a fake CUDA tensor on a machine without one
+                device += ":" + torch.cuda.get_device_name(self.device)
         return "|".join([self.op, self.backend, device] + [f"{name}={value}" for name, value in self.fields])
 
 
@@ -117,15 +122,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return "float8" if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else str(dtype).removeprefix("torch.")
 
 
+def _rows_around(t: torch.Tensor, dim: int) -> tuple[int, int]:
+    """(the product of t's dims before ``dim``, t's rows: the product of every dim but the last)."""
+    return math.prod(t.shape[:dim]), math.prod(t.shape[:-1])
+
+
 def gather_call(op: str, group, group_name: str, a_shard: torch.Tensor, ns, dim: int, b_dtype: torch.dtype,
                 extra: tuple = (), allow_unfused: bool = True, consumer_gemm: bool = False) -> Call:
     """The Call of an all-gather + matmul of ``a_shard`` along ``dim`` by bs of ``ns`` columns."""
     world = group.size()
     last = dim == a_shard.dim() - 1
-    outer = 1
-    for size in a_shard.shape[:dim]:
-        outer *= size
-    shard_rows = a_shard.numel() // max(1, a_shard.shape[-1])
+    outer, shard_rows = _rows_around(a_shard, dim)
     units = outer if outer > 1 else shard_rows
     candidates = [Plan("rows", p) for p in plan_model.pieces_up_to(units)]
     if allow_unfused and not last:
@@ -145,10 +152,7 @@ def scatter_call(op: str, group, group_name: str, a: torch.Tensor, n: int, dim: 
     """The Call of a matmul + reduce-scatter of ``a @ b`` (``b`` of ``n`` columns) along ``dim``."""
     world = group.size()
     last = dim == a.dim() - 1
-    outer = 1
-    for size in a.shape[:dim]:
-        outer *= size
-    rows = a.numel() // max(1, a.shape[-1])
+    outer, rows = _rows_around(a, dim)
     block_rows = rows if last else rows // world
     units = outer if (outer > 1 and not last) else block_rows
     block_cols = n // world if last else n
@@ -177,8 +181,6 @@ _override: Optional[Plan] = None
 def cache() -> PlanCache:
     """The plan cache at the current location (``FASTMESH_TUNE_CACHE`` is read again when it changes)."""
     global _cache
-    from fastmesh.ops.plan_cache import default_path
-
     if _cache is None or _cache.path != default_path():
         _cache = PlanCache()
     return _cache
@@ -235,28 +237,43 @@ def _cached(call: Call) -> Optional[Decision]:
     return Decision(plan, "cache", tuple((k, v) for k, v in entry.get("ms", {}).items()))
 
 
-def measure(call: Call, run: Callable[[Plan], object], rounds: int = MEASURE_ROUNDS) -> Decision:
-    """Times every candidate of ``call`` on every rank (one warm-up round, then ``rounds`` interleaved rounds;
-    each call after a barrier), takes each candidate's median, the slowest rank's, and picks the fastest."""
+def _time(call: Call, run: Callable[[Plan], object], plan: Plan, cuda: bool) -> float:
+    _all_reduce([0], "sum", call)  # a barrier: every rank starts the candidate together
+    if cuda:
+        torch.cuda.synchronize(call.device)
+    start = time.perf_counter()
+    run(plan)
+    if cuda:
+        torch.cuda.synchronize(call.device)
+    return time.perf_counter() - start
+
+
+def measure(call: Call, run: Callable[[Plan], object]) -> Decision:
+    """Times every candidate of ``call`` on every rank in interleaved rounds (after a warm-up round; enough
+    rounds for about MEASURE_SECONDS in all, MEASURE_ROUNDS to 3x that) and picks the fastest by the slowest
+    rank's figures. Where the unfused plan is a candidate, each plan is judged by its time over the unfused
+    plan's in the same round (the median over rounds): rounds drift together on a loaded machine, ratios
+    less; a fused plan must win by MEASURE_MARGIN."""
     cuda = call.device.type == "cuda"
-    times: dict[Plan, list] = {c: [] for c in call.candidates}
-    for round_index in range(rounds + 1):
-        for candidate in call.candidates:
-            _all_reduce([0], "sum", call)  # a barrier: every rank starts the candidate together
-            if cuda:
-                torch.cuda.synchronize(call.device)
-            start = time.perf_counter()
-            run(candidate)
-            if cuda:
-                torch.cuda.synchronize(call.device)
-            if round_index:
-                times[candidate].append(time.perf_counter() - start)
-    slowest = _all_reduce([statistics.median(times[c]) for c in call.candidates], "max", call)
-    by_plan = dict(zip(call.candidates, slowest))
-    chosen = min(call.candidates, key=by_plan.get)
-    if UNFUSED in by_plan and by_plan[chosen] > (1 - MEASURE_MARGIN) * by_plan[UNFUSED]:
+    candidates = list(call.candidates)
+    warm_up = sum(_time(call, run, c, cuda) for c in candidates)
+    (round_s,) = _all_reduce([warm_up], "max", call)
+    rounds = min(3 * MEASURE_ROUNDS, max(MEASURE_ROUNDS, math.ceil(MEASURE_SECONDS / max(round_s, 1e-9))))
+    times = {c: [] for c in candidates}
+    for _ in range(rounds):
+        for c in candidates:
+            times[c].append(_time(call, run, c, cuda))
+    medians = _all_reduce([statistics.median(times[c]) for c in candidates], "max", call)
+    figures = tuple((c.label, s * 1e3) for c, s in zip(candidates, medians))
+    if UNFUSED not in times:
+        return Decision(min(candidates, key=dict(zip(candidates, medians)).get), "measured", figures)
+    ratios = _all_reduce([statistics.median(t / u for t, u in zip(times[c], times[UNFUSED])) for c in candidates],
+                         "max", call)
+    by_ratio = dict(zip(candidates, ratios))
+    chosen = min(candidates, key=by_ratio.get)
+    if by_ratio[chosen] > 1 - MEASURE_MARGIN:
         chosen = UNFUSED
-    return Decision(chosen, "measured", tuple((c.label, s * 1e3) for c, s in by_plan.items()))
+    return Decision(chosen, "measured", figures)
 
 
 def _encode(plan: Plan) -> list:
@@ -303,8 +320,6 @@ def decide(call: Call, chunks: int, run: Optional[Callable[[Plan], object]] = No
 
 
 def _rank(call: Call) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     return _resolve_process_group(call.group_name).rank()
 
 
