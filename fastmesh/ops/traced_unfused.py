@@ -30,20 +30,25 @@ def register_once() -> None:
         return
     _registered = True
     try:
+        from torch._inductor import decomposition as inductor_decompositions
         from torch._inductor.decomposition import register_decomposition
         from torch._inductor.lowering import make_fallback, tag_to_layout_constraint
         from torch._library.utils import get_layout_constraint_tag
     except ImportError as error:  # inductor internals of another torch: the ops then run every plan themselves
         logger.info("fastmesh: unfused plans stay inside the fused ops under inductor (%s)", error)
         return
-    for op, decomposition in ((torch.ops.fastmesh.all_gather_matmul.default, _all_gather_matmul),
-                              (torch.ops.fastmesh.matmul_reduce_scatter.default, _matmul_reduce_scatter)):
-        register_decomposition(op)(decomposition)
+    for op, traced in ((torch.ops.fastmesh.all_gather_matmul.default, _all_gather_matmul),
+                       (torch.ops.fastmesh.matmul_reduce_scatter.default, _matmul_reduce_scatter)):
+        register_decomposition(op)(traced)
         # A call the decomposition leaves (NotImplemented) stays the op, which inductor runs as a fallback kernel.
         # Inductor creates that fallback on first sight and refuses one for an op that has a decomposition, so
         # it is created here, as inductor would create it (the op's default layout constraint).
         make_fallback(op, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)),
                       warn=False, override_decomp=True)
+    # Inductor keeps the table it built at its first compile in this process (torch 2.14: a functools.cache).
+    cached_table = getattr(inductor_decompositions, "fast_random_decomps", None)
+    if hasattr(cached_table, "cache_clear"):
+        cached_table.cache_clear()
 
 
 def _static(*tensors) -> bool:
