@@ -21,34 +21,39 @@ from fastmesh.ops._fused_common import group_size
 
 logger = logging.getLogger("fastmesh.plans")
 _c10d = torch.ops._c10d_functional
-_registered = False
+_registered = None  # None: not tried yet
 
 
-def register_once() -> None:
+def register_once() -> bool:
+    """Adds the entries to inductor's decomposition table (once); whether they are in place."""
     global _registered
-    if _registered:
-        return
-    _registered = True
+    if _registered is not None:
+        return _registered
+    ops = ((torch.ops.fastmesh.all_gather_matmul.default, _all_gather_matmul),
+           (torch.ops.fastmesh.matmul_reduce_scatter.default, _matmul_reduce_scatter))
     try:
         from torch._inductor import decomposition as inductor_decompositions
-        from torch._inductor.decomposition import register_decomposition
         from torch._inductor.lowering import make_fallback, tag_to_layout_constraint
         from torch._library.utils import get_layout_constraint_tag
-    except ImportError as error:  # inductor internals of another torch: the ops then run every plan themselves
+
+        # A call the decomposition leaves (NotImplemented) stays the op, which inductor runs as a fallback
+        # kernel. Inductor creates that fallback on first sight, but refuses to for an op with a decomposition:
+        # so it is created first, as inductor would create it (the op's default layout constraint).
+        for op, _ in ops:
+            make_fallback(op, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)),
+                          warn=False)
+    except (ImportError, AttributeError, TypeError) as error:  # another torch's inductor internals
         logger.info("fastmesh: unfused plans stay inside the fused ops under inductor (%s)", error)
-        return
-    for op, traced in ((torch.ops.fastmesh.all_gather_matmul.default, _all_gather_matmul),
-                       (torch.ops.fastmesh.matmul_reduce_scatter.default, _matmul_reduce_scatter)):
-        register_decomposition(op)(traced)
-        # A call the decomposition leaves (NotImplemented) stays the op, which inductor runs as a fallback kernel.
-        # Inductor creates that fallback on first sight and refuses one for an op that has a decomposition, so
-        # it is created here, as inductor would create it (the op's default layout constraint).
-        make_fallback(op, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)),
-                      warn=False, override_decomp=True)
+        _registered = False
+        return False
+    for op, traced in ops:
+        inductor_decompositions.register_decomposition(op)(traced)
     # Inductor keeps the table it built at its first compile in this process (torch 2.14: a functools.cache).
     cached_table = getattr(inductor_decompositions, "fast_random_decomps", None)
     if hasattr(cached_table, "cache_clear"):
         cached_table.cache_clear()
+    _registered = True
+    return True
 
 
 def _static(*tensors) -> bool:
