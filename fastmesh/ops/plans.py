@@ -6,12 +6,13 @@ unfused sequence inside the op: the whole transfer, then one multiply per ``b``,
 the Triton consumer GEMM. The op's kernel builds the :class:`Call` (its key: op, shapes, dtypes, dim, group
 size, backend, device, threads) and asks :func:`decide`, once per key and process:
 
-* ``pieces=`` (``chunks=``) given by the caller wins: rows in that many pieces;
+* ``chunks=N`` (N > 0) given by the caller wins: rows in N pieces;
 * ``FASTMESH_TUNE=off``: the fixed rule (rows, pieces from the size: ``pipeline.h``);
 * ``FASTMESH_TUNE=model`` (default): a measured plan from the cache file (:mod:`fastmesh.ops.plan_cache`) if
   every rank has one, else the cost model (:mod:`fastmesh.ops.plan_model`);
-* ``FASTMESH_TUNE=measure``: as ``model``, but a key no cached plan covers is measured on the spot: every
-  candidate is timed on every rank, the slowest rank's time counts, and the fastest plan is stored.
+* ``FASTMESH_TUNE=measure``: as ``model``, but a key not every rank has cached is measured on the spot: every
+  candidate is timed on every rank in interleaved rounds, judged by its time over the unfused plan's in the
+  same round (the slowest rank's), and the fastest plan is stored.
 
 Every rank must run the same plan (different plans exchange different messages). Ranks agree in one small
 all-reduce per key: rank 0's plan is taken (and whether every rank has a cached one), and measured times are
