@@ -186,7 +186,7 @@ def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, chunks
 def gather_plan_call(a_shard, bs, dim: int, group_name: str, consumer_gemm: bool = False) -> plans.Call:
     """The planner's view of an all_gather_matmul call (also asked by the compile pass, on fake tensors)."""
     group = resolve_group(group_name, _AG)
-    return plans.gather_call(_AG, group, group_name, a_shard, [b.shape[1] for b in bs], dim, a_shard.dtype,
+    return plans.gather_call(_AG, group, group_name, a_shard, [b.shape[1] for b in bs], dim,
                              consumer_gemm=consumer_gemm)
 
 

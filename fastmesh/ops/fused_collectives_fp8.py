@@ -179,7 +179,7 @@ def scaled_gather_plan_call(a_shard, a_scale, bs, dim: int, group_name: str, out
     """The planner's view of an all_gather_scaled_matmul call (also asked by the compile pass)."""
     # One multiply over every rank's rows needs a scale per row: tensor-wise shards keep one multiply per rank.
     return plans.gather_call(_AG, resolve_group(group_name, _AG), group_name, a_shard, [b.shape[1] for b in bs], dim,
-                             a_shard.dtype, extra=(("a_scale", _granularity(a_scale)), ("out_dtype", str(out_dtype))),
+                             extra=(("a_scale", _granularity(a_scale)), ("out_dtype", str(out_dtype))),
                              allow_unfused=a_scale.dim() > 0)
 
 

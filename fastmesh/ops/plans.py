@@ -128,9 +128,10 @@ def _rows_around(t: torch.Tensor, dim: int) -> tuple[int, int]:
     return math.prod(t.shape[:dim]), math.prod(t.shape[:-1])
 
 
-def gather_call(op: str, group, group_name: str, a_shard: torch.Tensor, ns, dim: int, b_dtype: torch.dtype,
-                extra: tuple = (), allow_unfused: bool = True, consumer_gemm: bool = False) -> Call:
-    """The Call of an all-gather + matmul of ``a_shard`` along ``dim`` by bs of ``ns`` columns."""
+def gather_call(op: str, group, group_name: str, a_shard: torch.Tensor, ns, dim: int, extra: tuple = (),
+                allow_unfused: bool = True, consumer_gemm: bool = False) -> Call:
+    """The Call of an all-gather + matmul of ``a_shard`` along ``dim`` by bs (of a_shard's dtype) of ``ns``
+    columns."""
     world = group.size()
     last = dim == a_shard.dim() - 1
     outer, shard_rows = _rows_around(a_shard, dim)
@@ -141,10 +142,10 @@ def gather_call(op: str, group, group_name: str, a_shard: torch.Tensor, ns, dim:
     if consumer_gemm:
         candidates.append(Plan("consumer_gemm", 0))
     shape = plan_model.Shape("all_gather", world, shard_rows, a_shard.shape[-1], tuple(ns), outer, last,
-                             a_shard.element_size(), torch.empty((), dtype=b_dtype).element_size(),
-                             _dtype_name(b_dtype), threads(a_shard.device), a_shard.device.type)
+                             a_shard.element_size(), a_shard.element_size(), _dtype_name(a_shard.dtype),
+                             threads(a_shard.device), a_shard.device.type)
     fields = (("a", list(a_shard.shape)), ("ns", list(ns)), ("dim", dim), ("dtype", str(a_shard.dtype)),
-              ("b_dtype", str(b_dtype)), ("world", world), ("threads", shape.threads)) + extra
+              ("world", world), ("threads", shape.threads)) + extra
     return Call(op, group_name, backend_of(group, a_shard.device), a_shard.device, fields, shape, tuple(candidates))
 
 
@@ -162,7 +163,7 @@ def scatter_call(op: str, group, group_name: str, a: torch.Tensor, n: int, dim: 
         candidates += [Plan("columns", p) for p in plan_model.pieces_up_to(block_cols) if p > 1]
     candidates.append(UNFUSED)
     shape = plan_model.Shape("reduce_scatter", world, rows, a.shape[-1], (n,), outer, last,
-                             torch.empty((), dtype=out_dtype).element_size(), a.element_size(), _dtype_name(a.dtype),
+                             out_dtype.itemsize, a.element_size(), _dtype_name(a.dtype),
                              threads(a.device), a.device.type)
     fields = (("a", list(a.shape)), ("n", n), ("dim", dim), ("dtype", str(a.dtype)), ("out_dtype", str(out_dtype)),
               ("world", world), ("threads", shape.threads)) + extra
