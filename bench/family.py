@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-
 from fastmesh.bench.figures import Case
 
 DTYPES = ("float32", "bfloat16", "float8")
@@ -27,7 +26,7 @@ class Family:
     description: str
     distributed: bool
     dtypes: tuple[str, ...]
-    run: Callable[["Context"], None]
+    run: Callable[[Context], None]
     parse_case: Callable[[str, int], object]
     plot_ratio: str | None = None
 
@@ -61,9 +60,11 @@ class Context:
         row = case.row()
         self.rows.append(row)
         if self.leader:
-            print(f"  [{self.family} {len(self.rows)}/{self._total or '?'}, {time.perf_counter() - self._started:.0f} s] "
-                  f"{progress_line(row)}", flush=True)
-
+            print(
+                f"  [{self.family} {len(self.rows)}/{self._total or '?'}, {time.perf_counter() - self._started:.0f} s] "
+                f"{progress_line(row)}",
+                flush=True,
+            )
 
     def note(self, message: str) -> None:
         """Something the reader must know about the family's run (a case skipped, a baseline not run), printed and

@@ -42,8 +42,9 @@ class Contender:
         if self.kind not in KINDS:
             raise ValueError(f"Contender kind must be one of {KINDS}, got {self.kind!r}")
         if (self.work is None) != (self.work_unit is None) or self.work_unit not in (None, *_RATE_UNITS):
-            raise ValueError(f"Contender work_unit must be one of {tuple(_RATE_UNITS)} when work is given, "
-                             f"got {self.work_unit!r}")
+            raise ValueError(
+                f"Contender work_unit must be one of {tuple(_RATE_UNITS)} when work is given, got {self.work_unit!r}"
+            )
 
 
 @dataclass
@@ -69,18 +70,32 @@ class Case:
                 unit, scale = _RATE_UNITS[c.work_unit]
                 figure["rate"] = {"value": c.work / figure["ms"]["median"] * 1e3 / scale, "unit": unit}
             figures[name] = figure
-        pairs = {f"speedup_vs_{name}": (name, self.kernel)
-                 for name, c in self.contenders.items() if c.kind == "baseline"}
-        pairs.update({f"{self.kernel}_over_{name}": (self.kernel, name)
-                      for name, c in self.contenders.items() if c.kind == "bound"})
+        pairs = {
+            f"speedup_vs_{name}": (name, self.kernel) for name, c in self.contenders.items() if c.kind == "baseline"
+        }
+        pairs.update(
+            {
+                f"{self.kernel}_over_{name}": (self.kernel, name)
+                for name, c in self.contenders.items()
+                if c.kind == "bound"
+            }
+        )
         pairs.update(self.extra_ratios)
         ratios = {}
         for name, (numerator, denominator) in pairs.items():
             rounds = zip(self.contenders[numerator].seconds, self.contenders[denominator].seconds)
             ratios[name] = spread([n / d for n, d in rounds])
-        row = {"family": self.family, "case": self.case, "dtype": self.dtype, "params": self.params,
-               "kernel": self.kernel, "figures": figures, "ratios": ratios, "notes": self.notes,
-               "samples_s": {name: c.seconds for name, c in self.contenders.items()}}
+        row = {
+            "family": self.family,
+            "case": self.case,
+            "dtype": self.dtype,
+            "params": self.params,
+            "kernel": self.kernel,
+            "figures": figures,
+            "ratios": ratios,
+            "notes": self.notes,
+            "samples_s": {name: c.seconds for name, c in self.contenders.items()},
+        }
         if self.details:
             row["details"] = self.details
         if self.plan:

@@ -23,13 +23,13 @@ x itself in these rounds on the dev VM, where x stays warm from the other conten
 from __future__ import annotations
 
 import torch
-
-import fastmesh
 from fastmesh.bench import torchao_baselines
 from fastmesh.bench.family import Context, Family
 from fastmesh.bench.figures import Case, Contender
 from fastmesh.bench.timing import time_interleaved
 from fastmesh.kernels import fp8_reference as ref
+
+import fastmesh
 
 E4M3 = torch.float8_e4m3fn
 # [rows, cols]; both multiples of 128 (the block granularities). Sizes span cache-resident to memory-bound.
@@ -139,16 +139,27 @@ def run_quantize(ctx: Context) -> None:
                 time_interleaved(candidates, ctx.warmup, ctx.clock)
                 timings = time_interleaved(candidates, ctx.repeats, ctx.clock, settle=True)
                 kinds = {"fastmesh": "kernel", "copy": "part"}
-                contenders = {name: Contender(kinds.get(name, "baseline"), seconds,
-                                              2 * in_bytes if name == "copy" else moved, "bytes")
-                              for name, seconds in timings.items()}
+                contenders = {
+                    name: Contender(
+                        kinds.get(name, "baseline"), seconds, 2 * in_bytes if name == "copy" else moved, "bytes"
+                    )
+                    for name, seconds in timings.items()
+                }
                 # The bound: the kernel's bytes moved at the copy's bandwidth, per round.
-                contenders["bound"] = Contender("bound", [t * moved / (2 * in_bytes) for t in timings["copy"]],
-                                                moved, "bytes")
+                contenders["bound"] = Contender(
+                    "bound", [t * moved / (2 * in_bytes) for t in timings["copy"]], moved, "bytes"
+                )
                 label = f"{granularity}{' given scale' if mode else ''} [{rows}, {cols}]"
-                ctx.emit(Case("fp8_quantize", label, dtype_name, "fastmesh", contenders,
-                              params={"rows": rows, "cols": cols, "granularity": granularity,
-                                      "scale": mode or "current"}))
+                ctx.emit(
+                    Case(
+                        "fp8_quantize",
+                        label,
+                        dtype_name,
+                        "fastmesh",
+                        contenders,
+                        params={"rows": rows, "cols": cols, "granularity": granularity, "scale": mode or "current"},
+                    )
+                )
 
 
 def run_amax(ctx: Context) -> None:
@@ -174,15 +185,37 @@ def run_amax(ctx: Context) -> None:
             time_interleaved(candidates, ctx.warmup, ctx.clock)
             timings = time_interleaved(candidates, ctx.repeats, ctx.clock, settle=True)
             kinds = {"fastmesh": "kernel", "read": "bound"}
-            contenders = {name: Contender(kinds.get(name, "baseline"), seconds, nbytes, "bytes")
-                          for name, seconds in timings.items()}
-            ctx.emit(Case("amax", f"tensorwise [{rows}, {cols}]", dtype_name, "fastmesh", contenders,
-                          params={"rows": rows, "cols": cols}))
+            contenders = {
+                name: Contender(kinds.get(name, "baseline"), seconds, nbytes, "bytes")
+                for name, seconds in timings.items()
+            }
+            ctx.emit(
+                Case(
+                    "amax",
+                    f"tensorwise [{rows}, {cols}]",
+                    dtype_name,
+                    "fastmesh",
+                    contenders,
+                    params={"rows": rows, "cols": cols},
+                )
+            )
 
 
 FAMILIES = (
-    Family("fp8_quantize", "FP8 cast-and-scale per granularity: GB/s against eager, torch.compile, torchao and "
-           "copy bandwidth", distributed=False, dtypes=tuple(TORCH_DTYPES), run=run_quantize, parse_case=parse_size),
-    Family("amax", "tensor-wise amax: GB/s against eager, torch.compile and read bandwidth", distributed=False,
-           dtypes=tuple(TORCH_DTYPES), run=run_amax, parse_case=parse_size),
+    Family(
+        "fp8_quantize",
+        "FP8 cast-and-scale per granularity: GB/s against eager, torch.compile, torchao and copy bandwidth",
+        distributed=False,
+        dtypes=tuple(TORCH_DTYPES),
+        run=run_quantize,
+        parse_case=parse_size,
+    ),
+    Family(
+        "amax",
+        "tensor-wise amax: GB/s against eager, torch.compile and read bandwidth",
+        distributed=False,
+        dtypes=tuple(TORCH_DTYPES),
+        run=run_amax,
+        parse_case=parse_size,
+    ),
 )

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-import fastmesh
 from fastmesh.bench.family import Context, Family
 from fastmesh.bench.figures import Case, Contender
 from fastmesh.bench.timing import time_slowest_rank
+
+import fastmesh
 from fastmesh.ops import plans
 
 E4M3 = torch.float8_e4m3fn
@@ -55,14 +55,35 @@ _TOLERANCES = {"float32": (1e-5, 1e-5), "bfloat16": (1.6e-2, 1e-2), "float8": (1
 # received per rank. comm/matmul ~ (W-1)/W * bytes/elem * flop rate / (2 * N (ag) or K (rs) * bandwidth):
 # so each dtype has its own widths, spanning comm/matmul ~0.25-1 with calls of ~40-200 ms.
 FULL_CASES = {
-    "float32": ["ag:2048x4096:0:384", "ag:2048x4096:0:768", "ag:1024x4096:0:896", "ag:1024x4096:0:256,256,256",
-                "ag:4x512x4096:1:512", "ag:4096x2048:-1:512", "rs:4096x384:0:4096", "rs:4096x1024:0:2048",
-                "rs:4x1024x768:1:3072"],
-    "bfloat16": ["ag:2048x4096:0:48", "ag:2048x4096:0:96", "ag:2048x4096:0:192", "ag:2048x4096:0:64,64,64",
-                 "ag:4x512x4096:1:128", "ag:4096x2048:-1:128", "rs:4096x128:0:4096", "rs:4096x256:0:4096",
-                 "rs:4x1024x192:1:4096"],
-    "float8": ["ag:2048x4096:0:16", "ag:2048x4096:0:32", "ag:4x512x4096:1:32", "rs:4096x64:0:4096",
-               "rs:4x1024x64:1:4096"],
+    "float32": [
+        "ag:2048x4096:0:384",
+        "ag:2048x4096:0:768",
+        "ag:1024x4096:0:896",
+        "ag:1024x4096:0:256,256,256",
+        "ag:4x512x4096:1:512",
+        "ag:4096x2048:-1:512",
+        "rs:4096x384:0:4096",
+        "rs:4096x1024:0:2048",
+        "rs:4x1024x768:1:3072",
+    ],
+    "bfloat16": [
+        "ag:2048x4096:0:48",
+        "ag:2048x4096:0:96",
+        "ag:2048x4096:0:192",
+        "ag:2048x4096:0:64,64,64",
+        "ag:4x512x4096:1:128",
+        "ag:4096x2048:-1:128",
+        "rs:4096x128:0:4096",
+        "rs:4096x256:0:4096",
+        "rs:4x1024x192:1:4096",
+    ],
+    "float8": [
+        "ag:2048x4096:0:16",
+        "ag:2048x4096:0:32",
+        "ag:4x512x4096:1:32",
+        "rs:4096x64:0:4096",
+        "rs:4x1024x64:1:4096",
+    ],
 }
 QUICK_CASES = {
     "float32": ["ag:1024x2048:0:512", "ag:2x256x2048:1:128,128,128", "rs:2048x512:0:2048"],
@@ -92,24 +113,32 @@ def parse_spec(spec: str, world: int = 2, family: str = "fused_collectives") -> 
         code, shape, dim, ns, *chunks = spec.split(":")
         if len(chunks) > 1:
             raise ValueError
-        parsed = Spec(_OP_CODES[code], tuple(int(s) for s in shape.split("x")), int(dim),
-                      tuple(int(n) for n in ns.split(",")), int(chunks[0]) if chunks else 0)
+        parsed = Spec(
+            _OP_CODES[code],
+            tuple(int(s) for s in shape.split("x")),
+            int(dim),
+            tuple(int(n) for n in ns.split(",")),
+            int(chunks[0]) if chunks else 0,
+        )
     except (KeyError, ValueError):
-        raise ValueError(f'{family} case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:CHUNKS]", '
-                         'e.g. "ag:2048x4096:0:384" or "ag:2048x4096:0:384:4"') from None
+        raise ValueError(
+            f'{family} case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:CHUNKS]", '
+            'e.g. "ag:2048x4096:0:384" or "ag:2048x4096:0:384:4"'
+        ) from None
     ndim = len(parsed.shape)
     if parsed.chunks < 0:
         raise ValueError(f"{family} case {spec!r}: CHUNKS must be >= 0 (0: the op's automatic count)")
     if ndim < 2 or not -ndim <= parsed.dim < ndim or min(parsed.shape + parsed.ns) <= 0:
-        raise ValueError(f"{family} case {spec!r}: the shape needs >= 2 positive dims and dim in "
-                         f"[{-ndim}, {ndim})")
+        raise ValueError(f"{family} case {spec!r}: the shape needs >= 2 positive dims and dim in [{-ndim}, {ndim})")
     if parsed.op == "matmul_reduce_scatter":
         if len(parsed.ns) != 1:
             raise ValueError(f"{family} case {spec!r}: matmul_reduce_scatter takes one b")
         out_shape = parsed.shape[:-1] + parsed.ns
         if out_shape[parsed.dim] % world:
-            raise ValueError(f"{family} case {spec!r}: the scattered dim ({out_shape[parsed.dim]}) must be "
-                             f"divisible by the {world} ranks")
+            raise ValueError(
+                f"{family} case {spec!r}: the scattered dim ({out_shape[parsed.dim]}) must be "
+                f"divisible by the {world} ranks"
+            )
     return parsed
 
 
@@ -181,7 +210,7 @@ class _Gather:
         k = spec.shape[-1] * (world if self.dim == len(spec.shape) - 1 else 1)
         a_shard = _random(spec.shape, dtype, 1000 + rank, device)
         # The weights are replicated: the same seed on every rank; scaled for unit-scale outputs.
-        bs = [_random((k, n), dtype, 7 + i, device, k ** -0.5) for i, n in enumerate(spec.ns)]
+        bs = [_random((k, n), dtype, 7 + i, device, k**-0.5) for i, n in enumerate(spec.ns)]
         self.full_shape = list(spec.shape)
         self.full_shape[self.dim] *= world
         self.outs = [torch.empty((*self.full_shape[:-1], n), dtype=dtype, device=device) for n in spec.ns]
@@ -196,7 +225,9 @@ class _Gather:
             self.b_ops = [_fp8_columns(b, granularity) for b in bs]
             self.shard = data.view(torch.uint8)  # gloo cannot gather FP8 dtypes: their bytes travel
             rowwise = granularity == "rowwise"
-            self.scale_gathered = torch.empty((world * scale.shape[0], *scale.shape[1:]), device=device) if rowwise else None
+            self.scale_gathered = (
+                torch.empty((world * scale.shape[0], *scale.shape[1:]), device=device) if rowwise else None
+            )
             self.scale_full = torch.empty((*self.full_shape[:-1], 1), device=device) if rowwise and self.dim else None
         else:
             self.bs, self.shard, self.scale_gathered = bs, a_shard, None
@@ -212,10 +243,19 @@ class _Gather:
     def fastmesh(self):
         if self.fp8:
             return torch.ops.fastmesh.all_gather_scaled_matmul(
-                self.a_data, self.a_scale, [d for d, _ in self.b_ops], [s for _, s in self.b_ops], self.spec.dim,
-                self.group.group_name, torch.bfloat16, False, self.spec.chunks)[2]
-        return fastmesh.all_gather_matmul(self.shard, self.bs, self.spec.dim, group=self.group,
-                                          chunks=self.spec.chunks or None)[1]
+                self.a_data,
+                self.a_scale,
+                [d for d, _ in self.b_ops],
+                [s for _, s in self.b_ops],
+                self.spec.dim,
+                self.group.group_name,
+                torch.bfloat16,
+                False,
+                self.spec.chunks,
+            )[2]
+        return fastmesh.all_gather_matmul(
+            self.shard, self.bs, self.spec.dim, group=self.group, chunks=self.spec.chunks or None
+        )[1]
 
     def comm(self):
         self.all_gather(self.gathered, self.shard, group=self.group)
@@ -269,9 +309,13 @@ class _Gather:
         if self.dim == len(self.spec.shape) - 1 and dtype_name != "float32":
             atol *= self.world  # K split over ranks: partial products rounded per rank
         for i, (g, w) in enumerate(zip(got, want)):
-            torch.testing.assert_close(g, w, rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}, "
-                                                     f"output {i}: {m}")
+            torch.testing.assert_close(
+                g,
+                w,
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}, output {i}: {m}",
+            )
 
     def symm_mem(self):
         return torch.ops.symm_mem.fused_all_gather_matmul(self.shard, self.bs, self.dim, self.group.group_name)
@@ -297,8 +341,9 @@ class _Scatter:
         out_shape = list(self.c.shape)
         out_shape[self.dim] //= world
         self.out = torch.empty(out_shape, dtype=dtype, device=device)
-        self.send = self.c if self.dim == 0 else torch.empty((world * out_shape[0], *out_shape[1:]), dtype=dtype,
-                                                             device=device)
+        self.send = (
+            self.c if self.dim == 0 else torch.empty((world * out_shape[0], *out_shape[1:]), dtype=dtype, device=device)
+        )
         self.comm_send = _random(self.send.shape, dtype, 4000 + rank, device)
         self.partials = list(torch.empty_like(self.comm_send).chunk(world))
         self.fp8 = granularity is not None
@@ -313,16 +358,23 @@ class _Scatter:
         if self.fp8:
             (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
             return torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-                a, a_scale, b, b_scale, self.spec.dim, "sum", self.group.group_name, torch.bfloat16, self.spec.chunks)
-        return fastmesh.matmul_reduce_scatter(self.a, self.b, self.spec.dim, group=self.group,
-                                              chunks=self.spec.chunks or None)
+                a, a_scale, b, b_scale, self.spec.dim, "sum", self.group.group_name, torch.bfloat16, self.spec.chunks
+            )
+        return fastmesh.matmul_reduce_scatter(
+            self.a, self.b, self.spec.dim, group=self.group, chunks=self.spec.chunks or None
+        )
 
     def matmul(self):
         if self.fp8:
             (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
             rows = a.reshape(-1, a.shape[-1])
-            _scaled_mm(rows, a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1), b, b_scale,
-                       self.c.view(-1, self.c.shape[-1]))
+            _scaled_mm(
+                rows,
+                a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1),
+                b,
+                b_scale,
+                self.c.view(-1, self.c.shape[-1]),
+            )
         else:
             torch.matmul(self.a, self.b, out=self.c)
         return self.c
@@ -338,7 +390,9 @@ class _Scatter:
         """The unfused sequence before the reduce-scatter: the product, laid out as c10d scatters it."""
         self.matmul()
         if self.dim != 0:  # c10d scatters rank-major blocks of dim 0: bring dim's blocks there
-            self.send.unflatten(0, (self.world, -1)).copy_(self.c.unflatten(self.dim, (self.world, -1)).movedim(self.dim, 0))
+            self.send.unflatten(0, (self.world, -1)).copy_(
+                self.c.unflatten(self.dim, (self.world, -1)).movedim(self.dim, 0)
+            )
         return self.send
 
     def p2p(self):
@@ -353,8 +407,9 @@ class _Scatter:
         if dtype_name != "float32":
             # gloo's reduce-scatter rounds after every addition, the fused op sums in fp32 and rounds once
             atol *= self.world
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
-                                   msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}: {m}")
+        torch.testing.assert_close(
+            got, want, rtol=rtol, atol=atol, msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}: {m}"
+        )
 
     def symm_mem(self):
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(self.a, self.b, "sum", self.dim, self.group.group_name)
@@ -381,14 +436,21 @@ def cases(ctx: Context, full: dict, quick: dict, fp8_granularities: tuple = FP8_
     specs of each dtype; float8 in each of ``fp8_granularities``."""
     for dtype_name in (d for d in ctx.dtypes if d in TORCH_DTYPES):
         for spec in ctx.cases or (quick if ctx.quick else full)[dtype_name]:
-            for granularity in (fp8_granularities if dtype_name == "float8" else (None,)):
+            for granularity in fp8_granularities if dtype_name == "float8" else (None,):
                 yield parse_spec(spec, ctx.group.size(), ctx.family), dtype_name, granularity
 
 
 def case_params(spec: Spec, granularity: str | None, world: int) -> dict:
     """A row's params: what reproduces the case."""
-    return {"op": spec.op, "shape": list(spec.shape), "dim": spec.dim, "ns": list(spec.ns), "chunks": spec.chunks,
-            "granularity": granularity, "world": world}
+    return {
+        "op": spec.op,
+        "shape": list(spec.shape),
+        "dim": spec.dim,
+        "ns": list(spec.ns),
+        "chunks": spec.chunks,
+        "granularity": granularity,
+        "world": world,
+    }
 
 
 def rowwise_scaled_mm_on_cpu() -> bool:
@@ -424,8 +486,9 @@ def run(ctx: Context) -> None:
         if reason:
             ctx.note(reason)
             continue
-        runner = (_Gather if spec.op == "all_gather_matmul" else _Scatter)(spec, dtype_name, granularity, ctx.group,
-                                                                          ctx.device)
+        runner = (_Gather if spec.op == "all_gather_matmul" else _Scatter)(
+            spec, dtype_name, granularity, ctx.group, ctx.device
+        )
         runner.check(dtype_name)
         candidates = {"fastmesh": runner.fastmesh, "unfused": runner.unfused}
         symm_note = _symm_mem_note(ctx, runner)
@@ -450,15 +513,33 @@ def run(ctx: Context) -> None:
         if gloo:
             share = cpu_share(runner.p2p, ctx.group)
             contenders["p2p"] = Contender("part", timings["p2p"], runner.comm_bytes, "bytes")
-            contenders["cpu_bound"] = Contender("bound", [m + share * t for m, t in zip(timings["matmul"],
-                                                                                       timings["p2p"])], *flops)
+            contenders["cpu_bound"] = Contender(
+                "bound", [m + share * t for m, t in zip(timings["matmul"], timings["p2p"])], *flops
+            )
             details["p2p_cpu_share"] = share
         label = runner.label
         params = case_params(spec, granularity, ctx.group.size())
-        ctx.emit(Case("fused_collectives", label, dtype_name, "fastmesh", contenders, params=params,
-                      extra_ratios={"comm_over_matmul": ("comm", "matmul")}, details=details, plan=plan_taken(runner)))
+        ctx.emit(
+            Case(
+                "fused_collectives",
+                label,
+                dtype_name,
+                "fastmesh",
+                contenders,
+                params=params,
+                extra_ratios={"comm_over_matmul": ("comm", "matmul")},
+                details=details,
+                plan=plan_taken(runner),
+            )
+        )
 
 
-FAMILY = Family("fused_collectives", "all_gather_matmul and matmul_reduce_scatter (fp32, bf16, FP8) against the "
-                "unfused collective sequence and max(comm, matmul)", distributed=True, dtypes=tuple(TORCH_DTYPES),
-                run=run, parse_case=parse_spec)
+FAMILY = Family(
+    "fused_collectives",
+    "all_gather_matmul and matmul_reduce_scatter (fp32, bf16, FP8) against the "
+    "unfused collective sequence and max(comm, matmul)",
+    distributed=True,
+    dtypes=tuple(TORCH_DTYPES),
+    run=run,
+    parse_case=parse_spec,
+)

@@ -114,16 +114,33 @@ def benchmark(cm, quick: bool) -> list[dict]:
         shards = list(a.chunk(4))
         transport = chunked_gather.LoopbackTransport(shards, rank=0)
         cat_then_mm = _time_ms(lambda: torch.mm(torch.cat(shards), b), 20)
-        gather_path = _time_ms(lambda: chunked_gather.all_gather_chunked_matmul(shards[0], [b], 0, transport, False), 20)
+        gather_path = _time_ms(
+            lambda: chunked_gather.all_gather_chunked_matmul(shards[0], [b], 0, transport, False), 20
+        )
         chunked_gather.raise_pending_timeouts(block=True)
-        rows.append({"m": m, "k": k, "n": n, "torch_mm_ms": mm, "consumer_ms": consumer, "ratio": consumer / mm,
-                     "consumer_capped_ms": capped, "capped_programs": programs, "copy_then_mm_ms": copy_then_mm,
-                     "loopback_ms": loopback, "cat_then_mm_ms": cat_then_mm, "gather_path_ms": gather_path})
-        print(f"{m}x{k}x{n} bf16: torch.mm {mm:.3f} ms, consumer (flags set) {consumer:.3f} ms "
-              f"({consumer / mm:.3f}x, target <= {TARGET_RATIO}), capped to {programs} programs {capped:.3f} ms "
-              f"({capped / mm:.3f}x); copy+mm {copy_then_mm:.3f} ms, loopback {loopback:.3f} ms; "
-              f"cat+mm {cat_then_mm:.3f} ms, all_gather_chunked_matmul (loopback, 4 ranks) {gather_path:.3f} ms",
-              flush=True)
+        rows.append(
+            {
+                "m": m,
+                "k": k,
+                "n": n,
+                "torch_mm_ms": mm,
+                "consumer_ms": consumer,
+                "ratio": consumer / mm,
+                "consumer_capped_ms": capped,
+                "capped_programs": programs,
+                "copy_then_mm_ms": copy_then_mm,
+                "loopback_ms": loopback,
+                "cat_then_mm_ms": cat_then_mm,
+                "gather_path_ms": gather_path,
+            }
+        )
+        print(
+            f"{m}x{k}x{n} bf16: torch.mm {mm:.3f} ms, consumer (flags set) {consumer:.3f} ms "
+            f"({consumer / mm:.3f}x, target <= {TARGET_RATIO}), capped to {programs} programs {capped:.3f} ms "
+            f"({capped / mm:.3f}x); copy+mm {copy_then_mm:.3f} ms, loopback {loopback:.3f} ms; "
+            f"cat+mm {cat_then_mm:.3f} ms, all_gather_chunked_matmul (loopback, 4 ranks) {gather_path:.3f} ms",
+            flush=True,
+        )
     return rows
 
 

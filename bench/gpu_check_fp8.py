@@ -74,7 +74,7 @@ def load_ops(library: str | None) -> str:
         _load_file("fastmesh_library_schemas", os.path.join(ROOT, "fastmesh", "ops", "_library.py"))
         torch.ops.load_library(library)
         return f"library {library}"
-    import fastmesh  # noqa: F401  (defines the schemas, loads fastmesh._C)
+    import fastmesh
     from fastmesh import _cpp_lib
 
     _cpp_lib.load()
@@ -210,7 +210,8 @@ def compare(name: str, actual, expected, ref) -> str | None:
     if expected is None or actual is None:
         if expected is None and actual is None:
             return None
-        return f"{name}: expected {'a tensor' if expected is not None else 'None'}, got {'None' if actual is None else 'a tensor'}"
+        expected_what, actual_what = ("None" if t is None else "a tensor" for t in (expected, actual))
+        return f"{name}: expected {expected_what}, got {actual_what}"
     actual = actual.cpu()
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         return f"{name}: dtype/shape {actual.dtype}{list(actual.shape)} != {expected.dtype}{list(expected.shape)}"
@@ -227,8 +228,10 @@ def compare(name: str, actual, expected, ref) -> str | None:
         return None
     i = int(bad[0])
     index = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), expected.shape)) if expected.dim() else ()
-    return (f"{name}: {bad.numel()}/{expected.numel()} differ; first at {index}: got {fmt(actual, i)}, "
-            f"expected {fmt(expected, i)}")
+    return (
+        f"{name}: {bad.numel()}/{expected.numel()} differ; first at {index}: got {fmt(actual, i)}, "
+        f"expected {fmt(expected, i)}"
+    )
 
 
 REFERENCE_NOTES: dict[str, set[str]] = {}  # reference function -> cases it could not compute
@@ -247,8 +250,11 @@ def expected_quantize(ref, x, fp8_dtype, granularity, scale, amax, transpose, po
     def groups(shape, given_scale, given_amax):
         layout = ref.scale_shape(shape, granularity)
         out_amax = torch.zeros(layout) if given_amax is None else given_amax.float().clone()
-        q = torch.reciprocal(given_scale.float()) if given_scale is not None else ref.quant_scale_from_amax(
-            out_amax, fp8_dtype, power_of_two)
+        q = (
+            torch.reciprocal(given_scale.float())
+            if given_scale is not None
+            else ref.quant_scale_from_amax(out_amax, fp8_dtype, power_of_two)
+        )
         return torch.reciprocal(q), (torch.zeros(layout) if given_scale is not None else out_amax)
 
     scale_out, amax_out = groups(tuple(x.shape), scale, amax)
@@ -256,7 +262,10 @@ def expected_quantize(ref, x, fp8_dtype, granularity, scale, amax, transpose, po
     if transpose:
         rows = math.prod(x.shape[:-1])
         shape_t = (x.shape[-1], rows)
-        t = (lambda g: None if g is None else (g.t() if granularity == "block128x128" else g))
+
+        def t(g):
+            return None if g is None else (g.t() if granularity == "block128x128" else g)
+
         scale_t = groups(shape_t, t(scale), t(amax))[0]
         data_t = torch.empty(shape_t, dtype=fp8_dtype)
     return ref.Quantized(torch.empty(x.shape, dtype=fp8_dtype), scale_out, amax_out, data_t, scale_t)
@@ -308,11 +317,29 @@ class Poisoner:
 def shapes_for(quick: bool):
     # (shape, unaligned storage)
     shapes = [
-        ((0,), False), ((0, 5), False), ((5, 0), False), ((2, 0, 3), False),
-        ((), False), ((1,), False), ((7,), False), ((300,), False), ((1, 1), False), ((3, 5), False),
-        ((517, 8), False), ((9, 3), False), ((127, 129), False), ((128, 128), False), ((129, 255), False),
-        ((33, 1000), False), ((2, 3, 130), False), ((256, 384), False), ((1023, 257), False),
-        ((64, 4097), False), ((5, 9000), False), ((40, 300), True), ((131, 256), True),
+        ((0,), False),
+        ((0, 5), False),
+        ((5, 0), False),
+        ((2, 0, 3), False),
+        ((), False),
+        ((1,), False),
+        ((7,), False),
+        ((300,), False),
+        ((1, 1), False),
+        ((3, 5), False),
+        ((517, 8), False),
+        ((9, 3), False),
+        ((127, 129), False),
+        ((128, 128), False),
+        ((129, 255), False),
+        ((33, 1000), False),
+        ((2, 3, 130), False),
+        ((256, 384), False),
+        ((1023, 257), False),
+        ((64, 4097), False),
+        ((5, 9000), False),
+        ((40, 300), True),
+        ((131, 256), True),
     ]
     if quick:
         keep = {(), (7,), (3, 5), (517, 8), (127, 129), (129, 255), (2, 3, 130), (1023, 257), (5, 9000), (0, 5), (5, 0)}
@@ -328,9 +355,8 @@ def valid_case(shape, granularity: str, source: str, transpose: bool) -> bool:
         return False
     if transpose and dims < 2:
         return False
-    if transpose and source != "current" and granularity in ("rowwise", "block1x128"):
-        return False  # rejected by the op (checked separately)
-    return True
+    # rejected by the op (checked separately)
+    return not (transpose and source != "current" and granularity in ("rowwise", "block1x128"))
 
 
 class OutOfTime(Exception):
@@ -359,24 +385,34 @@ def check_quantize(ref, quick: bool, failures: list, poisoner: Poisoner) -> int:
             elif source == "amax":
                 amax = given_tensor("amax", x_cpu, granularity, fp8_dtype, variant, ref, gen)
             cases += 1
-            label = (f"{granularity} {str(in_dtype)[6:]}->{str(fp8_dtype)[6:]} {list(shape)}"
-                     f"{' unaligned' if offset else ''} "
-                     f"{source}{' pow2' if power_of_two else ''}{' T' if transpose else ''} {variant}")
+            label = (
+                f"{granularity} {str(in_dtype)[6:]}->{str(fp8_dtype)[6:]} {list(shape)}"
+                f"{' unaligned' if offset else ''} "
+                f"{source}{' pow2' if power_of_two else ''}{' T' if transpose else ''} {variant}"
+            )
             expected = expected_quantize(ref, x_cpu, fp8_dtype, granularity, scale, amax, transpose, power_of_two)
             x = to_device(x_cpu, offset)
-            args = (x, fp8_dtype, granularity, None if scale is None else scale.to(DEVICE),
-                    None if amax is None else amax.to(DEVICE), transpose, power_of_two)
+            args = (
+                x,
+                fp8_dtype,
+                granularity,
+                None if scale is None else scale.to(DEVICE),
+                None if amax is None else amax.to(DEVICE),
+                transpose,
+                power_of_two,
+            )
             for poison in POISONS:
                 try:
-                    out = poisoner.run(lambda: quantize_op(*args), output_nbytes(expected),
-                                       poison)
+                    out = poisoner.run(lambda: quantize_op(*args), output_nbytes(expected), poison)
                     if DEVICE == "cuda":
                         torch.cuda.synchronize()
-                except Exception as error:  # noqa: BLE001  (a raise is a failure to report, not to stop on)
+                except Exception as error:
                     failures.append(f"{label}: raised {type(error).__name__}: {str(error).splitlines()[0]}")
                     break
-                problems = [compare(name, got, want, ref) for name, got, want in
-                            zip(("data", "scale", "amax", "data_t", "scale_t"), out, expected)]
+                problems = [
+                    compare(name, got, want, ref)
+                    for name, got, want in zip(("data", "scale", "amax", "data_t", "scale_t"), out, expected)
+                ]
                 problems = [p for p in problems if p]
                 if problems:
                     failures.append(f"{label} (poison 0x{poison:02x}): " + "; ".join(problems))
@@ -400,8 +436,11 @@ def check_large(ref, failures: list, poisoner: Poisoner) -> int:
     gen = torch.Generator().manual_seed(99)
     cases = 0
     for shape, in_dtype, granularity, (source, power_of_two), transpose in itertools.product(
-        ((2112, 4224), (1999, 3001)), (torch.bfloat16, torch.float32), GRANULARITIES,
-        (("current", False), ("scale", False)), (False, True)
+        ((2112, 4224), (1999, 3001)),
+        (torch.bfloat16, torch.float32),
+        GRANULARITIES,
+        (("current", False), ("scale", False)),
+        (False, True),
     ):
         if not valid_case(shape, granularity, source, transpose):
             continue
@@ -409,13 +448,19 @@ def check_large(ref, failures: list, poisoner: Poisoner) -> int:
         scale = given_tensor("scale", x_cpu, granularity, E4M3, "wide", ref, gen) if source == "scale" else None
         expected = ref.quantize(x_cpu, E4M3, granularity, scale, None, transpose, power_of_two)
         label = f"large {granularity} {str(in_dtype)[6:]} {list(shape)} {source}{' T' if transpose else ''}"
-        args = (x_cpu.to(DEVICE), E4M3, granularity, None if scale is None else scale.to(DEVICE), None, transpose,
-                power_of_two)
+        args = (
+            x_cpu.to(DEVICE),
+            E4M3,
+            granularity,
+            None if scale is None else scale.to(DEVICE),
+            None,
+            transpose,
+            power_of_two,
+        )
         cases += 1
         try:
-            out = poisoner.run(lambda: quantize_op(*args), output_nbytes(expected),
-                               POISONS[0])
-        except Exception as error:  # noqa: BLE001
+            out = poisoner.run(lambda: quantize_op(*args), output_nbytes(expected), POISONS[0])
+        except Exception as error:
             failures.append(f"{label}: raised {type(error).__name__}: {str(error).splitlines()[0]}")
             continue
         names = ("data", "scale", "amax", "data_t", "scale_t")
@@ -442,7 +487,7 @@ def check_amax(ref, quick: bool, failures: list, poisoner: Poisoner) -> int:
         label = f"amax {granularity} {str(in_dtype)[6:]} {list(shape)}{' unaligned' if offset else ''} {variant}"
         try:
             got = poisoner.run(lambda: torch.ops.fastmesh.amax(x, granularity), [expected.numel() * 4], POISONS[1])
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             failures.append(f"{label}: raised {type(error).__name__}: {str(error).splitlines()[0]}")
             continue
         problem = compare("amax", got, expected, ref)
@@ -451,8 +496,9 @@ def check_amax(ref, quick: bool, failures: list, poisoner: Poisoner) -> int:
     # Non-contiguous input (read through a contiguous copy).
     x_cpu = make_input((64, 300), torch.bfloat16, E4M3, "wide", gen, False).t()
     for granularity in GRANULARITIES:
-        problem = compare("amax", torch.ops.fastmesh.amax(x_cpu.to(DEVICE), granularity),
-                          ref.group_amax(x_cpu, granularity), ref)
+        problem = compare(
+            "amax", torch.ops.fastmesh.amax(x_cpu.to(DEVICE), granularity), ref.group_amax(x_cpu, granularity), ref
+        )
         cases += 1
         if problem:
             failures.append(f"amax {granularity} non-contiguous: {problem}")
@@ -512,8 +558,10 @@ def time_ms(fn, repeats: int, warmup: int = 5) -> tuple[float, float]:
 def bench(ref, repeats: int) -> list[tuple]:
     m = k = 8192
     gen = torch.Generator(device="cuda").manual_seed(7)
-    x = (torch.randn(m, k, device="cuda", generator=gen) *
-         torch.exp2(torch.randint(-8, 9, (m, 1), device="cuda", generator=gen).float())).to(torch.bfloat16)
+    x = (
+        torch.randn(m, k, device="cuda", generator=gen)
+        * torch.exp2(torch.randint(-8, 9, (m, 1), device="cuda", generator=gen).float())
+    ).to(torch.bfloat16)
     copy_out = torch.empty_like(x)
     copy_ms, copy_iqr = time_ms(lambda: copy_out.copy_(x), repeats)
     copy_gbs = 2 * x.numel() * x.element_size() / copy_ms / 1e6
@@ -523,8 +571,11 @@ def bench(ref, repeats: int) -> list[tuple]:
     rows.append(("fastmesh.amax tensorwise (read only)", amax_ms, amax_iqr, read_gbs, 100 * read_gbs / copy_gbs))
     scale_given = torch.ones((), device="cuda")
     for granularity, transpose, given in [(g, False, False) for g in GRANULARITIES] + [
-        ("tensorwise", False, True), ("tensorwise", True, False), ("rowwise", True, False),
-        ("block1x128", True, False), ("block128x128", True, False)
+        ("tensorwise", False, True),
+        ("tensorwise", True, False),
+        ("rowwise", True, False),
+        ("block1x128", True, False),
+        ("block128x128", True, False),
     ]:
         scale = scale_given if given else None
 
@@ -549,21 +600,33 @@ def bench(ref, repeats: int) -> list[tuple]:
 
 def describe_machine(source: str) -> None:
     try:
-        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "?"
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "csrc", "bench"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        commit = (
+            subprocess.run(
+                ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "?"
+        )
+        dirty = subprocess.run(
+            ["git", "-C", ROOT, "status", "--porcelain", "--", "csrc", "bench"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         commit += " (+local changes)" if dirty else ""
     except (OSError, subprocess.SubprocessError):
         commit = "?"
     if DEVICE == "cuda":
         props = torch.cuda.get_device_properties(0)
-        print(f"GPU: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
-              f"capability {props.major}.{props.minor}")
+        print(
+            f"GPU: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
+            f"capability {props.major}.{props.minor}"
+        )
     else:
         print(f"DRY RUN on the CPU kernels ({platform.processor() or 'cpu'}, {torch.get_num_threads()} threads)")
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}, "
-          f"{platform.platform()}")
+    print(
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}, "
+        f"{platform.platform()}"
+    )
     print(f"ops: {source}; repository commit {commit}")
 
 
@@ -587,14 +650,26 @@ def main() -> int:
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--check-seconds", type=float, default=420,
-                        help="stop the correctness checks after this long (reported as INCOMPLETE, exit status 4)")
+    parser.add_argument(
+        "--check-seconds",
+        type=float,
+        default=420,
+        help="stop the correctness checks after this long (reported as INCOMPLETE, exit status 4)",
+    )
     parser.add_argument("--library", help="load the ops from this shared library instead of importing fastmesh")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: dry run of the checks on the CPU kernels (tests this script; no benchmark)")
-    parser.add_argument("--impl", default="cuda", choices=["cuda", "triton"],
-                        help="which CUDA implementation to check: the CUDA C++ kernels (fp8_quantize_native) or "
-                             "the Triton kernels (fp8_quantize with FASTMESH_FP8_CUDA_IMPL=triton)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: dry run of the checks on the CPU kernels (tests this script; no benchmark)",
+    )
+    parser.add_argument(
+        "--impl",
+        default="cuda",
+        choices=["cuda", "triton"],
+        help="which CUDA implementation to check: the CUDA C++ kernels (fp8_quantize_native) or "
+        "the Triton kernels (fp8_quantize with FASTMESH_FP8_CUDA_IMPL=triton)",
+    )
     args = parser.parse_args()
 
     global DEVICE, quantize_op
@@ -610,7 +685,7 @@ def main() -> int:
     try:
         source = load_ops(args.library)
         ref = load_reference()
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         print(f"setup failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     describe_machine(source)
@@ -618,10 +693,12 @@ def main() -> int:
     reference_patched = False
     if not reference_self_check(ref):
         reference_patched = True
-        print("WARNING: fp8_reference.quant_scale_from_amax is not one IEEE division (torch's float / Tensor is "
-              "reciprocal(amax) * fp8_max, two roundings); checking against fp8_max / amax instead, as "
-              "fastmesh/fp8_math.h specifies. Fix kernels/fp8_reference.py: "
-              "torch.full_like(amax, FP8_MAX[dtype]) / amax")
+        print(
+            "WARNING: fp8_reference.quant_scale_from_amax is not one IEEE division (torch's float / Tensor is "
+            "reciprocal(amax) * fp8_max, two roundings); checking against fp8_max / amax instead, as "
+            "fastmesh/fp8_math.h specifies. Fix kernels/fp8_reference.py: "
+            "torch.full_like(amax, FP8_MAX[dtype]) / amax"
+        )
         ref.quant_scale_from_amax = lambda amax, dtype, pow2: ieee_quant_scale_from_amax(amax, dtype, pow2, ref)
 
     failures: list[str] = []
@@ -636,12 +713,14 @@ def main() -> int:
         counts["amax"] = check_amax(ref, args.quick, failures, poisoner)
         counts[f"{quantize_op.__name__.lstrip('_')}, large"] = check_large(ref, failures, poisoner)
         try:
-            counts[quantize_op.__name__.lstrip('_')] = check_quantize(ref, args.quick, failures, poisoner)
+            counts[quantize_op.__name__.lstrip("_")] = check_quantize(ref, args.quick, failures, poisoner)
         except OutOfTime as stop:
             incomplete = f"correctness checks INCOMPLETE: out of time (--check-seconds {args.check_seconds:.0f}) {stop}"
-        print(f"\ncorrectness ({time.perf_counter() - started:.0f} s): " +
-              ", ".join(f"{n} {name}" for name, n in counts.items()) +
-              f"; outputs landing in poisoned memory: {poisoner.hits}/{poisoner.outputs}")
+        print(
+            f"\ncorrectness ({time.perf_counter() - started:.0f} s): "
+            + ", ".join(f"{n} {name}" for name, n in counts.items())
+            + f"; outputs landing in poisoned memory: {poisoner.hits}/{poisoner.outputs}"
+        )
         for line in failures[:40]:
             print("  MISMATCH", line)
         if len(failures) > 40:
@@ -652,16 +731,20 @@ def main() -> int:
         print("correctness:", verdict)
 
     if not args.skip_bench:
-        print("\nbandwidth, 8192 x 8192 bfloat16 -> float8_e4m3fn (current scaling unless noted); logical bytes = "
-              "x read once + outputs written once; copy counts read + write")
+        print(
+            "\nbandwidth, 8192 x 8192 bfloat16 -> float8_e4m3fn (current scaling unless noted); logical bytes = "
+            "x read once + outputs written once; copy counts read + write"
+        )
         print(f"{'case':40s} {'median ms':>10s} {'IQR ms':>8s} {'GB/s':>8s} {'% of copy':>10s}")
         for name, ms, iqr, gbs, percent in bench(ref, args.repeats):
             print(f"{name:40s} {ms:10.3f} {iqr:8.3f} {gbs:8.0f} {percent:9.0f}%")
         print("target: >= 85% of copy for the one-pass cases (tensorwise current scaling reads x twice by contract)")
 
     for function, cases in sorted(REFERENCE_NOTES.items()):
-        print(f"REFERENCE: fp8_reference.{function} raises for these empty inputs, checked against the contract's "
-              f"rule for empty tensors instead (amax 0 or the given one): {', '.join(sorted(cases))}")
+        print(
+            f"REFERENCE: fp8_reference.{function} raises for these empty inputs, checked against the contract's "
+            f"rule for empty tensors instead (amax 0 or the given one): {', '.join(sorted(cases))}"
+        )
     if failures:
         return 1
     if reference_patched or REFERENCE_NOTES:

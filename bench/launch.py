@@ -17,7 +17,8 @@ import ctypes.util
 import datetime
 import os
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -51,8 +52,10 @@ def threads_per_rank(local_ranks: int, cores: int, requested: int | None) -> tup
     """Intra-op threads per rank and, when ranks x threads exceed the cores, a warning saying so."""
     threads = requested or max(1, cores // local_ranks)
     if local_ranks * threads > cores:
-        return threads, (f"{local_ranks} ranks x {threads} thread(s) > {cores} cores: ranks share cores, so "
-                         "communication and computation cannot overlap fully and the figures measure contention")
+        return threads, (
+            f"{local_ranks} ranks x {threads} thread(s) > {cores} cores: ranks share cores, so "
+            "communication and computation cannot overlap fully and the figures measure contention"
+        )
     return threads, None
 
 
@@ -63,9 +66,15 @@ def launch(world: int, threads: int, entry: Callable[..., Any], *args) -> Any:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"fastmesh-bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone does
-        max_restarts=0, monitor_interval=0.2, start_method="spawn",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        run_id=f"fastmesh-bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone does
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
     )
     # Set before the ranks start so that their OpenMP pools start at this size (torch.set_num_threads alone
     # would leave inter-op pools at the core count).

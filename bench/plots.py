@@ -85,13 +85,25 @@ def _ratio_bars(plt, family: str, rows: list[dict], ratio: str):
     medians = [s["median"] for s in spreads]
     ys = range(len(ordered))
     fig, ax = plt.subplots(figsize=(12.0, 0.3 * len(ordered) + 1.8), layout="constrained")
-    ax.barh(ys, [m - 1.0 for m in medians], left=1.0, color=["tab:green" if m >= 1.0 else "tab:red" for m in medians],
-            xerr=[[s["median"] - s["q1"] for s in spreads], [s["q3"] - s["median"] for s in spreads]], capsize=2,
-            error_kw={"elinewidth": 0.8})
+    ax.barh(
+        ys,
+        [m - 1.0 for m in medians],
+        left=1.0,
+        color=["tab:green" if m >= 1.0 else "tab:red" for m in medians],
+        xerr=[[s["median"] - s["q1"] for s in spreads], [s["q3"] - s["median"] for s in spreads]],
+        capsize=2,
+        error_kw={"elinewidth": 0.8},
+    )
     for y, s in zip(ys, spreads):  # the value beyond the whisker of the bar's far end
         ahead = s["median"] >= 1.0
-        ax.text(s["q3"] if ahead else s["q1"], y, f" {s['median']:.2f} ", va="center", ha="left" if ahead else "right",
-                fontsize=6)
+        ax.text(
+            s["q3"] if ahead else s["q1"],
+            y,
+            f" {s['median']:.2f} ",
+            va="center",
+            ha="left" if ahead else "right",
+            fontsize=6,
+        )
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_yticks(list(ys))
     ax.set_yticklabels([f"{r['case']} {r['dtype']} [{plan_text(r)}]" for r in ordered], fontsize=7)

@@ -49,18 +49,24 @@ def table(family: str, rows: list[dict]) -> str:
     if planned:
         titles.insert(1, "plan")
         widths.insert(1, max(len(plan_text(r)) for r in rows))
-    lines = [f"{family}: median ±IQR over the rounds; ratios per round (speedup_vs_X = X / kernel, "
-             "kernel_over_bound = kernel / bound)",
-             f"{'case':{case_width}s} {'dtype':8s} " + " ".join(f"{t:>{w}s}" for t, w in zip(titles, widths))]
+    lines = [
+        f"{family}: median ±IQR over the rounds; ratios per round (speedup_vs_X = X / kernel, "
+        "kernel_over_bound = kernel / bound)",
+        f"{'case':{case_width}s} {'dtype':8s} " + " ".join(f"{t:>{w}s}" for t, w in zip(titles, widths)),
+    ]
     for row in rows:
-        cells = [_cell(row["figures"][name]["ms"] if name in row["figures"] else None, ".3g", ".2g") for name in contenders]
+        cells = [
+            _cell(row["figures"][name]["ms"] if name in row["figures"] else None, ".3g", ".2g") for name in contenders
+        ]
         if kernel_rate_unit:
             rate = row["figures"][row["kernel"]].get("rate")
             cells.append("-" if rate is None else f"{rate['value']:.1f}")
         cells += [_cell(row["ratios"].get(name), ".2f", ".2f") for name in ratios]
         if planned:
             cells.insert(1, plan_text(row))
-        lines.append(f"{row['case']:{case_width}s} {row['dtype']:8s} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
+        lines.append(
+            f"{row['case']:{case_width}s} {row['dtype']:8s} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths))
+        )
     return "\n".join(lines)
 
 
@@ -73,7 +79,9 @@ def markdown(family: str, rows: list[dict]) -> str:
     lines = [f"| {' | '.join(titles)} |", "|" + "---|" * len(titles)]
     for row in rows:
         cells = [row["case"], row["dtype"]]
-        cells += [f"{row['figures'][name]['ms']['median']:.3g}" if name in row["figures"] else "-" for name in contenders]
+        cells += [
+            f"{row['figures'][name]['ms']['median']:.3g}" if name in row["figures"] else "-" for name in contenders
+        ]
         if unit:
             rate = row["figures"][row["kernel"]].get("rate")
             cells.append("-" if rate is None else f"{rate['value']:.3g}")
@@ -97,8 +105,10 @@ def write_markdown(path: str, meta: dict, families: dict) -> str:
         f.write("\n".join(summary_lines(meta)) + "\n")
         for name, result in families.items():
             if result["rows"]:
-                f.write(f"\n{name} (medians over {meta['run']['repeats']} rounds; spreads in bench.json)\n\n"
-                        f"{markdown(name, result['rows'])}\n")
+                f.write(
+                    f"\n{name} (medians over {meta['run']['repeats']} rounds; spreads in bench.json)\n\n"
+                    f"{markdown(name, result['rows'])}\n"
+                )
                 if result["notes"]:
                     f.write("\n" + "".join(f"- note: {note}\n" for note in result["notes"]))
     return path

@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from fastmesh.bench import fp8_quantize, fused_collectives, launch, machine, plots, report, sweep, tp_block
 from fastmesh.bench.family import DTYPES, Context
 from fastmesh.bench.timing import clock_for
@@ -45,29 +44,64 @@ class Plan:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fastmesh bench", description="fastmesh's kernel benchmarks, each beside its baselines and bound",
+        prog="fastmesh bench",
+        description="fastmesh's kernel benchmarks, each beside its baselines and bound",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="families:\n" + "\n".join(f"  {f.name:18s} {f.description}" for f in FAMILIES.values()))
+        epilog="families:\n" + "\n".join(f"  {f.name:18s} {f.description}" for f in FAMILIES.values()),
+    )
     parser.add_argument("--quick", action="store_true", help="small cases and 5 rounds (the README's main command)")
-    parser.add_argument("--only", nargs="+", choices=list(FAMILIES), metavar="NAME",
-                        help=f"run only these families ({', '.join(FAMILIES)})")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: cuda when a GPU is visible, else cpu")
-    parser.add_argument("--world", type=int, default=None,
-                        help="ranks to start for distributed families (default: 2 on CPU, every GPU on CUDA); "
-                             "under torchrun, torchrun's world")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads per rank (default: cores // ranks; single-process families: cores)")
-    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES),
-                        help="dtypes to measure (each family takes those it has; float8: the FP8 forms)")
-    parser.add_argument("--case", action="append", default=[], metavar="NAME=SPEC",
-                        help="replace a family's cases with these (repeatable), e.g. tp_block=8x256x256x512")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help=f"timed rounds (default {FULL_REPEATS}; {QUICK_REPEATS} with --quick)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help=f"untimed rounds first (default {FULL_WARMUP}; {QUICK_WARMUP} with --quick)")
-    parser.add_argument("--out", default="fastmesh-bench", metavar="DIR",
-                        help="where bench.json and the plots go (default ./fastmesh-bench)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(FAMILIES),
+        metavar="NAME",
+        help=f"run only these families ({', '.join(FAMILIES)})",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is visible, else cpu"
+    )
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="ranks to start for distributed families (default: 2 on CPU, every GPU on CUDA); "
+        "under torchrun, torchrun's world",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads per rank (default: cores // ranks; single-process families: cores)",
+    )
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=DTYPES,
+        default=list(DTYPES),
+        help="dtypes to measure (each family takes those it has; float8: the FP8 forms)",
+    )
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        help="replace a family's cases with these (repeatable), e.g. tp_block=8x256x256x512",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help=f"timed rounds (default {FULL_REPEATS}; {QUICK_REPEATS} with --quick)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"untimed rounds first (default {FULL_WARMUP}; {QUICK_WARMUP} with --quick)",
+    )
+    parser.add_argument(
+        "--out",
+        default="fastmesh-bench",
+        metavar="DIR",
+        help="where bench.json and the plots go (default ./fastmesh-bench)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     return parser
 
@@ -97,11 +131,24 @@ def _plan(args, parser, device_type: str, world: int) -> Plan:
 
 
 def _context(plan: Plan, name: str, leader: bool, group=None, mesh=None) -> Context:
-    device = torch.device(plan.device_type, torch.cuda.current_device()) if plan.device_type == "cuda" else \
-        torch.device("cpu")
-    return Context(family=name, device=device, quick=plan.quick, repeats=plan.repeats, warmup=plan.warmup,
-                   dtypes=plan.dtypes, cases=plan.cases.get(name, []), clock=clock_for(device), leader=leader,
-                   group=group, mesh=mesh)
+    device = (
+        torch.device(plan.device_type, torch.cuda.current_device())
+        if plan.device_type == "cuda"
+        else torch.device("cpu")
+    )
+    return Context(
+        family=name,
+        device=device,
+        quick=plan.quick,
+        repeats=plan.repeats,
+        warmup=plan.warmup,
+        dtypes=plan.dtypes,
+        cases=plan.cases.get(name, []),
+        clock=clock_for(device),
+        leader=leader,
+        group=group,
+        mesh=mesh,
+    )
 
 
 def _run_families(plan: Plan, names: list[str], leader: bool, group=None, mesh=None) -> dict:
@@ -114,8 +161,9 @@ def _run_families(plan: Plan, names: list[str], leader: bool, group=None, mesh=N
         if set(plan.dtypes) & set(family.dtypes):
             family.run(ctx)
         else:
-            ctx.note(f"nothing measured: --dtype {' '.join(plan.dtypes)} has none of its dtypes "
-                     f"({' '.join(family.dtypes)})")
+            ctx.note(
+                f"nothing measured: --dtype {' '.join(plan.dtypes)} has none of its dtypes ({' '.join(family.dtypes)})"
+            )
         results[name] = {"description": family.description, "rows": ctx.rows, "notes": ctx.notes}
         if ctx.summary:
             results[name]["summary"] = ctx.summary
@@ -141,8 +189,9 @@ def _distributed_on_world(plan: Plan) -> dict | None:
 
     if plan.device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    mesh = fastmesh.init_mesh(tp=int(os.environ["WORLD_SIZE"]), device_type=plan.device_type,
-                              timeout=launch.COLLECTIVE_TIMEOUT)
+    mesh = fastmesh.init_mesh(
+        tp=int(os.environ["WORLD_SIZE"]), device_type=plan.device_type, timeout=launch.COLLECTIVE_TIMEOUT
+    )
     leader = dist.get_rank() == 0
     try:
         results = _run_families(plan, _distributed_names(plan), leader, mesh.get_group(), mesh)
@@ -186,10 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     threads, warning = launch.threads_per_rank(local_world, cores, args.threads)
     local_threads = args.threads or cores
     meta["run"] = {
-        "device": device_type, "quick": plan.quick, "repeats": plan.repeats, "warmup": plan.warmup,
-        "dtypes": list(plan.dtypes), "cases": plan.cases, "allocator": allocator,
-        "launcher": "torchrun" if under_torchrun else "elastic_launch", "world": world,
-        "local_ranks": local_world, "threads_per_rank": threads, "single_process_threads": local_threads,
+        "device": device_type,
+        "quick": plan.quick,
+        "repeats": plan.repeats,
+        "warmup": plan.warmup,
+        "dtypes": list(plan.dtypes),
+        "cases": plan.cases,
+        "allocator": allocator,
+        "launcher": "torchrun" if under_torchrun else "elastic_launch",
+        "world": world,
+        "local_ranks": local_world,
+        "threads_per_rank": threads,
+        "single_process_threads": local_threads,
         "backend": "nccl" if device_type == "cuda" else "gloo",
     }
     if leader:
@@ -221,19 +278,26 @@ def _print_setup(meta, local, distributed, skipped, warning, under_torchrun, cor
         print(line)
     print(f"allocator: {run['allocator']}")
     if local:
-        print(f"single-process families ({', '.join(local)}): {run['single_process_threads']} intra-op thread(s), "
-              f"{cores} cores")
+        print(
+            f"single-process families ({', '.join(local)}): {run['single_process_threads']} intra-op thread(s), "
+            f"{cores} cores"
+        )
     if distributed:
         how = "torchrun's world" if under_torchrun else "started with torch's elastic launcher"
-        print(f"distributed families ({', '.join(distributed)}): {run['world']} ranks on {run['backend']} ({how}), "
-              f"{run['threads_per_rank']} intra-op thread(s) per rank: {run['local_ranks']} local ranks x "
-              f"{run['threads_per_rank']} = {run['local_ranks'] * run['threads_per_rank']} threads on {cores} cores")
+        print(
+            f"distributed families ({', '.join(distributed)}): {run['world']} ranks on {run['backend']} ({how}), "
+            f"{run['threads_per_rank']} intra-op thread(s) per rank: {run['local_ranks']} local ranks x "
+            f"{run['threads_per_rank']} = {run['local_ranks'] * run['threads_per_rank']} threads on {cores} cores"
+        )
     if warning:
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)
     for name, reason in skipped.items():
         print(f"{name}: not run: {reason}")
-    print(f"{run['repeats']} interleaved rounds after {run['warmup']} warm-up per case; every result checked "
-          "against its baseline before timing", flush=True)
+    print(
+        f"{run['repeats']} interleaved rounds after {run['warmup']} warm-up per case; every result checked "
+        "against its baseline before timing",
+        flush=True,
+    )
 
 
 def _write_outputs(args, meta: dict, results: dict, skipped: dict, seconds: float) -> None:
@@ -245,14 +309,19 @@ def _write_outputs(args, meta: dict, results: dict, skipped: dict, seconds: floa
         for note in result["notes"]:
             print(f"  note: {note}")
         print()
-    written = [report.write_json(os.path.join(args.out, "bench.json"), meta, results, skipped),
-               report.write_markdown(os.path.join(args.out, "bench.md"), meta, results)]
+    written = [
+        report.write_json(os.path.join(args.out, "bench.json"), meta, results, skipped),
+        report.write_markdown(os.path.join(args.out, "bench.md"), meta, results),
+    ]
     missing = None if args.no_plots else plots.matplotlib_missing()
     if missing:
         print(f"plots not written: {missing}")
     elif not args.no_plots:
-        written += [plots.plot_family(name, result["rows"], args.out, FAMILIES[name].plot_ratio)
-                    for name, result in results.items() if result["rows"]]
+        written += [
+            plots.plot_family(name, result["rows"], args.out, FAMILIES[name].plot_ratio)
+            for name, result in results.items()
+            if result["rows"]
+        ]
     for path in written:
         print(f"wrote {path}")
     print(f"total {seconds:.0f} s")

@@ -26,7 +26,6 @@ import functools
 import statistics
 
 import torch.distributed as dist
-
 from fastmesh.bench.family import Context, Family, plan_text
 from fastmesh.bench.figures import Case, Contender
 from fastmesh.bench.fused_collectives import (
@@ -47,18 +46,48 @@ RATIO = "speedup_vs_best_unfused"
 # few rows by a large weight (the issue's losers among them), square, many rows by a small weight, where the
 # transfer is a larger share (comm/matmul ~ 70 / N for gathers, 70 / K for scatters).
 FULL_CASES = {
-    "float32": ["ag:64x4096:0:4096", "rs:128x4096:0:4096", "ag:2x32x4096:1:2048", "rs:2x128x2048:1:4096",
-                "ag:1024x1024:0:1024", "rs:1024x1024:0:1024", "ag:4x256x1024:1:1024",
-                "ag:8192x256:0:256", "rs:8192x128:0:512", "ag:4x2048x96:1:128", "rs:4x2048x128:1:256"],
-    "bfloat16": ["ag:256x2048:0:8192", "rs:512x8192:0:1024", "ag:2x64x8192:1:2048", "rs:2x64x4096:1:8192",
-                 "rs:1024x2048:0:4096", "ag:1024x2048:0:2048", "rs:2048x2048:0:2048",
-                 "ag:8192x512:0:96", "rs:8192x96:0:1024", "ag:4x2048x256:1:256", "rs:4x2048x256:1:512"],
-    "float8": ["ag:64x4096:0:1024", "rs:128x4096:0:1024", "ag:2x32x4096:1:1024",
-               "ag:512x1024:0:512", "rs:1024x1024:0:512",
-               "ag:8192x128:0:128", "rs:8192x128:0:256", "rs:4x2048x128:1:128"],
+    "float32": [
+        "ag:64x4096:0:4096",
+        "rs:128x4096:0:4096",
+        "ag:2x32x4096:1:2048",
+        "rs:2x128x2048:1:4096",
+        "ag:1024x1024:0:1024",
+        "rs:1024x1024:0:1024",
+        "ag:4x256x1024:1:1024",
+        "ag:8192x256:0:256",
+        "rs:8192x128:0:512",
+        "ag:4x2048x96:1:128",
+        "rs:4x2048x128:1:256",
+    ],
+    "bfloat16": [
+        "ag:256x2048:0:8192",
+        "rs:512x8192:0:1024",
+        "ag:2x64x8192:1:2048",
+        "rs:2x64x4096:1:8192",
+        "rs:1024x2048:0:4096",
+        "ag:1024x2048:0:2048",
+        "rs:2048x2048:0:2048",
+        "ag:8192x512:0:96",
+        "rs:8192x96:0:1024",
+        "ag:4x2048x256:1:256",
+        "rs:4x2048x256:1:512",
+    ],
+    "float8": [
+        "ag:64x4096:0:1024",
+        "rs:128x4096:0:1024",
+        "ag:2x32x4096:1:1024",
+        "ag:512x1024:0:512",
+        "rs:1024x1024:0:512",
+        "ag:8192x128:0:128",
+        "rs:8192x128:0:256",
+        "rs:4x2048x128:1:128",
+    ],
 }
-QUICK_CASES = {"float32": ["ag:128x1024:0:1024", "rs:2x512x256:1:512"], "bfloat16": ["rs:1024x512:0:512"],
-               "float8": ["ag:1024x256:0:256"]}
+QUICK_CASES = {
+    "float32": ["ag:128x1024:0:1024", "rs:2x512x256:1:512"],
+    "bfloat16": ["rs:1024x512:0:512"],
+    "float8": ["ag:1024x256:0:256"],
+}
 
 
 class _GatherForms(_Gather):
@@ -97,13 +126,24 @@ def run(ctx: Context) -> None:
         if reason:
             ctx.note(reason)
             continue
-        runner = (_GatherForms if spec.op == "all_gather_matmul" else _ScatterForms)(spec, dtype_name, granularity,
-                                                                                    ctx.group, ctx.device)
+        runner = (_GatherForms if spec.op == "all_gather_matmul" else _ScatterForms)(
+            spec, dtype_name, granularity, ctx.group, ctx.device
+        )
         runner.check(dtype_name)
         runner.check(dtype_name, runner.unfused_list)
-        timings = time_slowest_rank({"fastmesh": runner.fastmesh, "unfused_tensor": runner.unfused,
-                                     "unfused_list": runner.unfused_list, "comm": runner.comm,
-                                     "matmul": runner.matmul}, ctx.group, ctx.warmup, ctx.repeats, ctx.clock)
+        timings = time_slowest_rank(
+            {
+                "fastmesh": runner.fastmesh,
+                "unfused_tensor": runner.unfused,
+                "unfused_list": runner.unfused_list,
+                "comm": runner.comm,
+                "matmul": runner.matmul,
+            },
+            ctx.group,
+            ctx.warmup,
+            ctx.repeats,
+            ctx.clock,
+        )
         flops = (runner.flops, "flops")
         # The faster form by its median, with its own rounds: a per-round minimum of two noisy forms would sit
         # below both forms' typical times and count noise as a loss.
@@ -117,15 +157,26 @@ def run(ctx: Context) -> None:
             "matmul": Contender("part", timings["matmul"], *flops),
             "bound": Contender("bound", list(map(max, timings["comm"], timings["matmul"])), *flops),
         }
-        ctx.emit(Case("sweep", runner.label, dtype_name, "fastmesh", contenders,
-                      params=case_params(spec, granularity, ctx.group.size()), plan=plan_taken(runner)))
+        ctx.emit(
+            Case(
+                "sweep",
+                runner.label,
+                dtype_name,
+                "fastmesh",
+                contenders,
+                params=case_params(spec, granularity, ctx.group.size()),
+                plan=plan_taken(runner),
+            )
+        )
     if ctx.rows:
         ctx.summary = summarize(ctx.rows)
         for name, s in ctx.summary.items():
             worst = s["worst"]
-            ctx.note(f"summary {name}: {s['shapes']} shapes, speedup vs best unfused: geomean {s['geomean']:.3f}, "
-                     f"worst {worst['speedup']:.3f} ({worst['case']} {worst['dtype']}, plan {worst['plan']}), "
-                     f"{s['below_1']} below 1.0")
+            ctx.note(
+                f"summary {name}: {s['shapes']} shapes, speedup vs best unfused: geomean {s['geomean']:.3f}, "
+                f"worst {worst['speedup']:.3f} ({worst['case']} {worst['dtype']}, plan {worst['plan']}), "
+                f"{s['below_1']} below 1.0"
+            )
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -139,14 +190,27 @@ def summarize(rows: list[dict]) -> dict:
     for name, group in groups.items():
         speedups = [row["ratios"][RATIO]["median"] for row in group]
         worst = min(group, key=lambda row: row["ratios"][RATIO]["median"])
-        summary[name] = {"shapes": len(group), "geomean": statistics.geometric_mean(speedups),
-                         "worst": {"case": worst["case"], "dtype": worst["dtype"],
-                                   "speedup": worst["ratios"][RATIO]["median"], "plan": plan_text(worst)},
-                         "below_1": sum(s < 1.0 for s in speedups)}
+        summary[name] = {
+            "shapes": len(group),
+            "geomean": statistics.geometric_mean(speedups),
+            "worst": {
+                "case": worst["case"],
+                "dtype": worst["dtype"],
+                "speedup": worst["ratios"][RATIO]["median"],
+                "plan": plan_text(worst),
+            },
+            "below_1": sum(s < 1.0 for s in speedups),
+        }
     return summary
 
 
-FAMILY = Family("sweep", "all_gather_matmul and matmul_reduce_scatter over many shapes (fp32, bf16, FP8 row-wise), "
-                "each with the plan it took, against the best unfused c10d sequence", distributed=True,
-                dtypes=tuple(TORCH_DTYPES), run=run, parse_case=functools.partial(parse_spec, family="sweep"),
-                plot_ratio=RATIO)
+FAMILY = Family(
+    "sweep",
+    "all_gather_matmul and matmul_reduce_scatter over many shapes (fp32, bf16, FP8 row-wise), "
+    "each with the plan it took, against the best unfused c10d sequence",
+    distributed=True,
+    dtypes=tuple(TORCH_DTYPES),
+    run=run,
+    parse_case=functools.partial(parse_spec, family="sweep"),
+    plot_ratio=RATIO,
+)

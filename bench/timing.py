@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -44,8 +44,13 @@ def clock_for(device: torch.device):
     return CudaEventClock() if device.type == "cuda" else WallClock()
 
 
-def time_interleaved(candidates: dict[str, Callable], repeats: int, clock=None,
-                     before_each: Callable[[], None] = lambda: None, settle: bool = False) -> dict[str, list[float]]:
+def time_interleaved(
+    candidates: dict[str, Callable],
+    repeats: int,
+    clock=None,
+    before_each: Callable[[], None] = lambda: None,
+    settle: bool = False,
+) -> dict[str, list[float]]:
     """Seconds per call of each candidate, run round-robin so that drifts hit every candidate alike.
 
     ``before_each()`` runs before each call, outside its timing (a barrier for ranks). With ``settle``, each timed
@@ -69,8 +74,9 @@ def time_interleaved(candidates: dict[str, Callable], repeats: int, clock=None,
     return timings
 
 
-def time_slowest_rank(candidates: dict[str, Callable], group, warmup: int, repeats: int,
-                      clock=None) -> dict[str, list[float]]:
+def time_slowest_rank(
+    candidates: dict[str, Callable], group, warmup: int, repeats: int, clock=None
+) -> dict[str, list[float]]:
     """Interleaved timings on every rank of ``group`` after ``warmup`` untimed rounds: {name: [seconds of the
     slowest rank, per round]}.
 

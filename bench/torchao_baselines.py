@@ -39,10 +39,15 @@ def _float8_api() -> types.SimpleNamespace:
     from torchao.float8.float8_training_tensor import LinearMMConfig
 
     return types.SimpleNamespace(
-        torchao=torchao, Float8LinearConfig=Float8LinearConfig, ScalingGranularity=ScalingGranularity,
-        convert_to_float8_training=convert_to_float8_training, hp_tensor_to_float8_dynamic=hp_tensor_to_float8_dynamic,
-        Float8ColwiseParallel=Float8ColwiseParallel, Float8RowwiseParallel=Float8RowwiseParallel,
-        PrepareFloat8ModuleInput=PrepareFloat8ModuleInput, LinearMMConfig=LinearMMConfig,
+        torchao=torchao,
+        Float8LinearConfig=Float8LinearConfig,
+        ScalingGranularity=ScalingGranularity,
+        convert_to_float8_training=convert_to_float8_training,
+        hp_tensor_to_float8_dynamic=hp_tensor_to_float8_dynamic,
+        Float8ColwiseParallel=Float8ColwiseParallel,
+        Float8RowwiseParallel=Float8RowwiseParallel,
+        PrepareFloat8ModuleInput=PrepareFloat8ModuleInput,
+        LinearMMConfig=LinearMMConfig,
     )
 
 
@@ -51,7 +56,7 @@ def status() -> tuple[bool, str]:
     try:
         api = _float8_api()
     # Not only ImportError: a torchao built for another torch can fail with any error while importing.
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return False, f"torchao's float8 modules do not import ({type(error).__name__}: {error}); {_INSTALL_HINT}"
     return True, f"torchao {api.torchao.__version__}"
 

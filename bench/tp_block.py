@@ -13,8 +13,9 @@ as long as its slowest rank):
   leave them as not profitable: checked) and ``fastmesh_c``; ratios ``pass_speedup = native_c / native_c+pass`` and
   ``compiled_speedup = native_c / fastmesh_c``;
 * float8: fastmesh's plan with ``Float8Config(granularity="rowwise")`` (tensor-wise on CPU before torch 2.13) on
-  bf16 weights against the bf16 native plan, and torchao's float8 plan (``Float8ColwiseParallel`` / ``Float8RowwiseParallel``, tensor-wise) when
-  torchao is installed and the backend carries float8 tensors (NCCL; gloo does not);
+  bf16 weights against the bf16 native plan, and torchao's float8 plan (``Float8ColwiseParallel`` /
+  ``Float8RowwiseParallel``, tensor-wise) when torchao is installed and the backend carries float8 tensors
+  (NCCL; gloo does not);
 * ``comm`` (part): the step's 4 all-gathers and 4 reduce-scatters as c10d collectives alone, same sizes;
 * ``bound``: ``max(comm, compute)`` per round, where ``compute`` is the native step without its communication:
   the timed native step minus its exposed communication (the time the main thread is blocked in c10d calls,
@@ -39,15 +40,15 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import parallelize_module
-
-import fastmesh
-import fastmesh.compile
 from fastmesh.bench import torchao_baselines
 from fastmesh.bench.family import Context, Family
 from fastmesh.bench.figures import Case, Contender
 from fastmesh.bench.fused_collectives import c10d_collectives, rowwise_scaled_mm_on_cpu
 from fastmesh.bench.timing import time_slowest_rank
+from torch.distributed.tensor.parallel import parallelize_module
+
+import fastmesh
+import fastmesh.compile
 from fastmesh.fp8 import Float8Config
 from fastmesh.testing.comm_profile import STEP_EVENT, cpu_profile, step_comm_times
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
@@ -84,9 +85,16 @@ def parse_shape(spec: str, world: int = 2) -> tuple[int, int, int, int]:
         batch, seq_len, dim, ffn_hidden = (int(s) for s in spec.split("x"))
     except ValueError:
         raise ValueError(f'tp_block case {spec!r}: expected "BxSxDxF", e.g. "8x256x256x512"') from None
-    if min(batch, seq_len, dim, ffn_hidden) <= 0 or dim % (2 * HEAD_DIM * world) or seq_len % world or ffn_hidden % world:
-        raise ValueError(f"tp_block case {spec!r}: S, F and D/{2 * HEAD_DIM} (the key/value heads) must be positive "
-                         f"and divisible by the {world} ranks")
+    if (
+        min(batch, seq_len, dim, ffn_hidden) <= 0
+        or dim % (2 * HEAD_DIM * world)
+        or seq_len % world
+        or ffn_hidden % world
+    ):
+        raise ValueError(
+            f"tp_block case {spec!r}: S, F and D/{2 * HEAD_DIM} (the key/value heads) must be positive "
+            f"and divisible by the {world} ranks"
+        )
     return batch, seq_len, dim, ffn_hidden
 
 
@@ -111,11 +119,15 @@ def _step(block, x, rope, fusion=None):
 
 def _check_fused(report, rank):
     """Every collective of the native block fused, or left because its plan is the unfused sequence."""
-    taken = {kind: sum(e.graph_kind == kind and (e.fused or e.unprofitable) for e in report.entries)
-             for kind in FUSED_PER_GRAPH}
+    taken = {
+        kind: sum(e.graph_kind == kind and (e.fused or e.unprofitable) for e in report.entries)
+        for kind in FUSED_PER_GRAPH
+    }
     if any(not e.unprofitable for e in report.unfused) or taken != FUSED_PER_GRAPH:
-        raise RuntimeError(f"rank {rank}: the fusion pass did not fuse the native block as expected "
-                           f"({taken} instead of {FUSED_PER_GRAPH}):\n{report}")
+        raise RuntimeError(
+            f"rank {rank}: the fusion pass did not fuse the native block as expected "
+            f"({taken} instead of {FUSED_PER_GRAPH}):\n{report}"
+        )
 
 
 def _fp8_config(device_type, note):
@@ -175,7 +187,7 @@ def block_steps(shape, dtype_name, mesh, note):
             raise RuntimeError(f"rank {rank}: {name} did not compile its own graph")
         if fusion:
             _check_fused(fastmesh.compile.fusion_report(), rank)
-    for name, (plan, fusion) in variants.items():
+    for name in variants:
         if name == "native":
             continue
         for what, want, got in zip(("output", "input gradient"), results["native"], results[name]):
@@ -218,8 +230,10 @@ def exposed_communication(step, group, steps=PROFILE_STEPS):
                 step()
     times = step_comm_times(prof)
     names = sorted({name for t in times for name in t.by_name})
-    mine = {"exposed_s": statistics.median(t.exposed for t in times),
-            "by_event_s": {name: statistics.median(t.by_name.get(name, 0.0) for t in times) for name in names}}
+    mine = {
+        "exposed_s": statistics.median(t.exposed for t in times),
+        "by_event_s": {name: statistics.median(t.by_name.get(name, 0.0) for t in times) for name in names},
+    }
     ranks = [None] * group.size()
     dist.all_gather_object(ranks, mine, group=group)
     return min(ranks, key=lambda r: r["exposed_s"])
@@ -233,8 +247,12 @@ def run(ctx: Context) -> None:
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     world = ctx.group.size()
-    cases = [(parse_shape(s, world), s, d) for d in ctx.dtypes if d in TORCH_DTYPES
-             for s in (ctx.cases or (QUICK_SHAPES if ctx.quick else FULL_SHAPES))]
+    cases = [
+        (parse_shape(s, world), s, d)
+        for d in ctx.dtypes
+        if d in TORCH_DTYPES
+        for s in (ctx.cases or (QUICK_SHAPES if ctx.quick else FULL_SHAPES))
+    ]
     ctx.expect(len(cases))
     for shape, spec, dtype_name in cases:
         steps = block_steps(shape, dtype_name, ctx.mesh, ctx.note)
@@ -249,16 +267,38 @@ def run(ctx: Context) -> None:
         contenders["bound"] = Contender("bound", [max(c, compute) for c in timings["comm"]])
         extra = {}
         if "native_c" in timings:
-            extra = {"pass_speedup": ("native_c", "native_c+pass"), "compiled_speedup": ("native_c", "fastmesh_c"),
-                     "fastmesh_eager_over_compiled": ("fastmesh", "fastmesh_c")}
-        details = {"compute_s": compute, "comm_over_compute": statistics.median(timings["comm"]) / compute,
-                   "native_exposed": native_exposed, "fastmesh_exposed": fastmesh_exposed}
+            extra = {
+                "pass_speedup": ("native_c", "native_c+pass"),
+                "compiled_speedup": ("native_c", "fastmesh_c"),
+                "fastmesh_eager_over_compiled": ("fastmesh", "fastmesh_c"),
+            }
+        details = {
+            "compute_s": compute,
+            "comm_over_compute": statistics.median(timings["comm"]) / compute,
+            "native_exposed": native_exposed,
+            "fastmesh_exposed": fastmesh_exposed,
+        }
         batch, seq_len, dim, ffn_hidden = shape
-        ctx.emit(Case("tp_block", f"block {spec}", dtype_name, "fastmesh", contenders, extra_ratios=extra, details=details,
-                      params={"batch": batch, "seq_len": seq_len, "dim": dim, "ffn_hidden": ffn_hidden,
-                              "world": world}))
+        ctx.emit(
+            Case(
+                "tp_block",
+                f"block {spec}",
+                dtype_name,
+                "fastmesh",
+                contenders,
+                extra_ratios=extra,
+                details=details,
+                params={"batch": batch, "seq_len": seq_len, "dim": dim, "ffn_hidden": ffn_hidden, "world": world},
+            )
+        )
 
 
-FAMILY = Family("tp_block", "one Llama block's forward+backward: fastmesh's plan against torch's native plan, eager, "
-                "compiled and with fastmesh's fusion pass, and max(comm, compute)", distributed=True,
-                dtypes=tuple(TORCH_DTYPES), run=run, parse_case=parse_shape)
+FAMILY = Family(
+    "tp_block",
+    "one Llama block's forward+backward: fastmesh's plan against torch's native plan, eager, "
+    "compiled and with fastmesh's fusion pass, and max(comm, compute)",
+    distributed=True,
+    dtypes=tuple(TORCH_DTYPES),
+    run=run,
+    parse_case=parse_shape,
+)

@@ -18,8 +18,9 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastmesh C++/CUDA kernels (registered under torch.ops.fastmesh)";
-  m.def("build_info", [] { return std::string(fastmesh::kBuildInfoJson); },
-        "JSON text recorded when this extension was built: versions, sources, flags, CUDA settings.");
+  m.def(
+      "build_info", [] { return std::string(fastmesh::kBuildInfoJson); },
+      "JSON text recorded when this extension was built: versions, sources, flags, CUDA settings.");
   m.def(
       "pipeline_pieces",
       [](int64_t units, int64_t unit_bytes, int64_t requested) {
@@ -56,20 +57,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
   m.def(
       "all_gather_matmul",
-      [](const at::Tensor& a_shard, const std::vector<at::Tensor>& bs, int64_t gather_dim, const std::string& group_name,
-         bool return_a, int64_t chunks, const std::string& split) {
+      [](const at::Tensor& a_shard, const std::vector<at::Tensor>& bs, int64_t gather_dim,
+         const std::string& group_name, bool return_a, int64_t chunks, const std::string& split) {
         return fastmesh::fused::all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, chunks, split);
       },
       "fastmesh::all_gather_matmul with the given schedule (split \"rows\" with `chunks` pieces, or \"none\").",
-      arg("a_shard"), arg("bs"), arg("gather_dim"), arg("group_name"), arg("return_a"), arg("chunks"), arg("split"), gil);
+      arg("a_shard"), arg("bs"), arg("gather_dim"), arg("group_name"), arg("return_a"), arg("chunks"), arg("split"),
+      gil);
   m.def(
       "matmul_reduce_scatter",
       [](const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim, const std::string& reduce_op,
          const std::string& group_name, int64_t chunks, const std::string& split) {
         return fastmesh::fused::matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, chunks, split);
       },
-      "fastmesh::matmul_reduce_scatter with the given schedule (split \"rows\", \"columns\" or \"none\").",
-      arg("a"), arg("b"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("chunks"), arg("split"), gil);
+      "fastmesh::matmul_reduce_scatter with the given schedule (split \"rows\", \"columns\" or \"none\").", arg("a"),
+      arg("b"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("chunks"), arg("split"), gil);
   m.def(
       "all_gather_scaled_matmul",
       [](const at::Tensor& a_shard, const at::Tensor& a_scale, const std::vector<at::Tensor>& bs,
@@ -86,8 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
          int64_t scatter_dim, const std::string& reduce_op, const std::string& group_name, at::ScalarType out_dtype,
          int64_t chunks, const std::string& split) {
-        return fastmesh::fused::scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op,
-                                                             group_name, out_dtype, chunks, split);
+        return fastmesh::fused::scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name,
+                                                             out_dtype, chunks, split);
       },
       "fastmesh::scaled_matmul_reduce_scatter with the given schedule.", arg("a"), arg("a_scale"), arg("b"),
       arg("b_scale"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("out_dtype"), arg("chunks"),

@@ -46,6 +46,7 @@ PLANS = ("native", "fastmesh")
 
 # ---- data: a fixed Markov chain ----
 
+
 def markov_chain(vocab: int, branching: int, generator: torch.Generator) -> torch.Tensor:
     """A ``[vocab, vocab]`` transition matrix: each token goes to ``branching`` random successors with random
     probabilities."""
@@ -79,6 +80,7 @@ def sample_sequences(transitions, start, count: int, length: int, generator: tor
 
 
 # ---- training ----
+
 
 def train_step(model, optimizer, tokens):
     """One step on ``tokens [B, S + 1]``; returns the loss, a replicated DTensor."""
@@ -133,24 +135,36 @@ def train(plan: str, args, mesh, batches) -> dict:
     for t in times:
         for name, seconds in t.by_name.items():
             by_name[name] = by_name.get(name, 0.0) + seconds / len(times)
-    mine = {"step_s": sum(t.duration for t in times) / len(times),
-            "exposed_s": sum(t.exposed for t in times) / len(times), "by_name_s": by_name}
+    mine = {
+        "step_s": sum(t.duration for t in times) / len(times),
+        "exposed_s": sum(t.exposed for t in times) / len(times),
+        "by_name_s": by_name,
+    }
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     return {"losses": losses, "step_s": step_s, "tokens_per_s": args.batch * args.seq_len / step_s, "ranks": ranks}
 
 
 def model_args(args) -> LlamaArgs:
-    return LlamaArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                     ffn_hidden=args.ffn_hidden, vocab_size=args.vocab)
+    return LlamaArgs(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_hidden=args.ffn_hidden,
+        vocab_size=args.vocab,
+    )
 
 
 # ---- report ----
 
+
 def report(plan: str, result: dict, args) -> None:
-    print(f"[{plan}] {result['tokens_per_s']:.0f} tokens/s ({1e3 * result['step_s']:.1f} ms/step over steps "
-          f"{args.warmup + args.profile_steps + 1}-{args.steps}); exposed communication per step over the profiled "
-          f"steps {args.warmup + 1}-{args.warmup + args.profile_steps}:")
+    print(
+        f"[{plan}] {result['tokens_per_s']:.0f} tokens/s ({1e3 * result['step_s']:.1f} ms/step over steps "
+        f"{args.warmup + args.profile_steps + 1}-{args.steps}); exposed communication per step over the profiled "
+        f"steps {args.warmup + 1}-{args.warmup + args.profile_steps}:"
+    )
     for rank, r in enumerate(result["ranks"]):
         events = ", ".join(f"{name} {1e3 * t:.1f}" for name, t in sorted(r["by_name_s"].items(), key=lambda kv: -kv[1]))
         print(f"[{plan}]   rank {rank}: {1e3 * r['exposed_s']:.1f} ms of {1e3 * r['step_s']:.1f} ms ({events})")
@@ -161,30 +175,41 @@ def _per_rank(result: dict, fn) -> str:
 
 
 def compare(results: dict) -> None:
-    print(f"\n{'plan':10s} {'final loss':>10s} {'tokens/s':>9s} {'ms/step':>8s} {'exposed comm ms/step':>21s} "
-          f"{'% of step':>10s}")
+    print(
+        f"\n{'plan':10s} {'final loss':>10s} {'tokens/s':>9s} {'ms/step':>8s} {'exposed comm ms/step':>21s} "
+        f"{'% of step':>10s}"
+    )
     for plan, r in results.items():
         exposed = _per_rank(r, lambda rank: f"{1e3 * rank['exposed_s']:.1f}")
         share = _per_rank(r, lambda rank: f"{100 * rank['exposed_s'] / rank['step_s']:.0f}")
-        print(f"{plan:10s} {r['losses'][max(r['losses'])]:10.4f} {r['tokens_per_s']:9.0f} {1e3 * r['step_s']:8.1f} "
-              f"{exposed:>21s} {share:>10s}")
+        print(
+            f"{plan:10s} {r['losses'][max(r['losses'])]:10.4f} {r['tokens_per_s']:9.0f} {1e3 * r['step_s']:8.1f} "
+            f"{exposed:>21s} {share:>10s}"
+        )
     native, fused = results["native"], results["fastmesh"]
     gap = max(abs(native["losses"][s] - fused["losses"][s]) for s in native["losses"])
-    exposed_ratio = (sum(r["exposed_s"] for r in fused["ranks"]) / sum(r["exposed_s"] for r in native["ranks"]))
-    print("(exposed comm and its share of the profiled step: rank 0 / rank 1)\n"
-          f"fastmesh / native: {fused['tokens_per_s'] / native['tokens_per_s']:.2f}x tokens/s, {exposed_ratio:.2f}x "
-          f"exposed comm; largest loss difference at the logged steps {gap:.2e}")
+    exposed_ratio = sum(r["exposed_s"] for r in fused["ranks"]) / sum(r["exposed_s"] for r in native["ranks"])
+    print(
+        "(exposed comm and its share of the profiled step: rank 0 / rank 1)\n"
+        f"fastmesh / native: {fused['tokens_per_s'] / native['tokens_per_s']:.2f}x tokens/s, {exposed_ratio:.2f}x "
+        f"exposed comm; largest loss difference at the logged steps {gap:.2e}"
+    )
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", choices=(*PLANS, "both"), default="both")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--fp8", choices=("rowwise", "tensorwise"), default=None,
-                        help="run fastmesh's plan in FP8 with this scaling granularity")
+    parser.add_argument(
+        "--fp8",
+        choices=("rowwise", "tensorwise"),
+        default=None,
+        help="run fastmesh's plan in FP8 with this scaling granularity",
+    )
     parser.add_argument("--compile", action="store_true", help="run both plans under torch.compile (inductor)")
-    parser.add_argument("--fusion-pass", action="store_true",
-                        help="with --compile: compile the native plan with fastmesh's fusion pass")
+    parser.add_argument(
+        "--fusion-pass", action="store_true", help="with --compile: compile the native plan with fastmesh's fusion pass"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--dim", type=int, default=256)
@@ -206,8 +231,10 @@ def parse_args():
     if args.fusion_pass and not args.compile:
         parser.error("--fusion-pass is a compiler pass: add --compile")
     if args.steps <= args.warmup + args.profile_steps:
-        parser.error(f"--steps must exceed --warmup + --profile-steps ({args.warmup + args.profile_steps}), "
-                     "leaving steps to time")
+        parser.error(
+            f"--steps must exceed --warmup + --profile-steps ({args.warmup + args.profile_steps}), "
+            "leaving steps to time"
+        )
     return args
 
 
@@ -218,15 +245,23 @@ def main():
     transitions = markov_chain(args.vocab, args.branching, torch.Generator().manual_seed(args.seed))
     # Every batch up front, from one seed: the same data on every rank (TP ranks share their tokens) and under
     # either plan, and no sampling inside the timed steps.
-    sequences = sample_sequences(transitions, stationary(transitions).float(), args.steps * args.batch,
-                                 args.seq_len + 1, torch.Generator().manual_seed(args.seed + 1))
+    sequences = sample_sequences(
+        transitions,
+        stationary(transitions).float(),
+        args.steps * args.batch,
+        args.seq_len + 1,
+        torch.Generator().manual_seed(args.seed + 1),
+    )
     batches = sequences.view(args.steps, args.batch, args.seq_len + 1)
     if dist.get_rank() == 0:
         compiled = "native plan with fastmesh's fusion pass" if args.fusion_pass else "yes" if args.compile else "no"
-        print(f"TP=2 over {dist.get_backend()}, {args.threads} intra-op thread(s) per rank; model {model_args(args)}; "
-              f"batch {args.batch} x {args.seq_len} tokens; fp8: {args.fp8 or 'off'}; compiled: {compiled}\n"
-              f"data: Markov chain, {args.branching} successors per token; entropy rate (lowest possible loss) "
-              f"{entropy_rate(transitions):.4f}, log(vocab) {math.log(args.vocab):.4f}", flush=True)
+        print(
+            f"TP=2 over {dist.get_backend()}, {args.threads} intra-op thread(s) per rank; model {model_args(args)}; "
+            f"batch {args.batch} x {args.seq_len} tokens; fp8: {args.fp8 or 'off'}; compiled: {compiled}\n"
+            f"data: Markov chain, {args.branching} successors per token; entropy rate (lowest possible loss) "
+            f"{entropy_rate(transitions):.4f}, log(vocab) {math.log(args.vocab):.4f}",
+            flush=True,
+        )
     results = {}
     for plan in PLANS if args.plan == "both" else (args.plan,):
         results[plan] = train(plan, args, mesh, batches)

@@ -21,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     info_parser = commands.add_parser("info", help="what was built and whether this install is usable")
     info_parser.add_argument("--json", action="store_true", help="print the report as JSON")
     commands.add_parser("bench", help="the kernel benchmarks beside their baselines and bounds (fastmesh bench --help)")
-    commands.add_parser("tune", help="measure the plans of fused calls and keep them in the plan cache "
-                                     "(fastmesh tune --help)")
+    commands.add_parser(
+        "tune", help="measure the plans of fused calls and keep them in the plan cache (fastmesh tune --help)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "info":

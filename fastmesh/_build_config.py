@@ -222,7 +222,7 @@ def parse_build_info(text: str) -> dict:
     """The metadata dict from the compiled-in string (as returned by ``_C.build_info()``)."""
     if not text.startswith(BUILD_INFO_MARKER):
         raise ValueError("not fastmesh build metadata")
-    return json.loads(text[len(BUILD_INFO_MARKER):])
+    return json.loads(text[len(BUILD_INFO_MARKER) :])
 
 
 def read_embedded_build_info(binary_path: str) -> dict | None:

@@ -117,13 +117,16 @@ def _check_build_info(info: dict[str, Any]) -> None:
             f"running; the C++ ABI differs. Rebuild with `{REBUILD_COMMAND}`"
         )
     csrc = _build_config.csrc_dir()
-    if os.path.isdir(csrc) and os.environ.get("FASTMESH_ALLOW_STALE", "0") != "1":
-        if _build_config.source_digest() != info["source_digest"]:
-            raise ExtensionError(
-                f"fastmesh._C is stale: sources under {csrc} changed since it was built. Rebuild with "
-                f"`{REBUILD_COMMAND}`, use FASTMESH_JIT=1 while editing kernels, or set FASTMESH_ALLOW_STALE=1 "
-                "to run the old build anyway"
-            )
+    if (
+        os.path.isdir(csrc)
+        and os.environ.get("FASTMESH_ALLOW_STALE", "0") != "1"
+        and _build_config.source_digest() != info["source_digest"]
+    ):
+        raise ExtensionError(
+            f"fastmesh._C is stale: sources under {csrc} changed since it was built. Rebuild with "
+            f"`{REBUILD_COMMAND}`, use FASTMESH_JIT=1 while editing kernels, or set FASTMESH_ALLOW_STALE=1 "
+            "to run the old build anyway"
+        )
 
 
 def _import_installed() -> ModuleType:

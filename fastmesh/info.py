@@ -82,11 +82,14 @@ def _distributed_report() -> dict[str, Any]:
 
 def _symmetric_memory_report() -> dict[str, Any]:
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        import torch.distributed._symmetric_memory
     except ImportError as error:
         return {"available": False, "reason": f"torch.distributed._symmetric_memory does not import: {error}"}
     if not torch.cuda.is_available():
-        return {"available": False, "reason": "torch has symmetric memory, but it needs CUDA devices and none is visible"}
+        return {
+            "available": False,
+            "reason": "torch has symmetric memory, but it needs CUDA devices and none is visible",
+        }
     return {"available": True, "reason": "torch.distributed._symmetric_memory imports and CUDA devices are visible"}
 
 
@@ -98,7 +101,11 @@ def _triton_report() -> dict[str, Any]:
     try:
         target = triton.runtime.driver.active.get_current_target()
     except Exception as error:  # triton raises RuntimeError without a driver; older versions differ
-        return {"version": triton.__version__, "target": None, "mode": f"interpreter only (TRITON_INTERPRET=1): {error}"}
+        return {
+            "version": triton.__version__,
+            "target": None,
+            "mode": f"interpreter only (TRITON_INTERPRET=1): {error}",
+        }
     return {"version": triton.__version__, "target": f"{target.backend} {target.arch}", "mode": "compiles for the GPU"}
 
 
@@ -127,9 +134,14 @@ def _tuning_report() -> dict[str, Any]:
         "mode": mode,
         "env": os.environ.get(plans.ENV_MODE),
         "error": error,
-        "cache": {"path": cache.path, "exists": os.path.exists(cache.path), "section": cache.section,
-                  "entries": entries, "sections": sections,
-                  "unreadable": str(caught[0].message) if caught else None},
+        "cache": {
+            "path": cache.path,
+            "exists": os.path.exists(cache.path),
+            "section": cache.section,
+            "entries": entries,
+            "sections": sections,
+            "unreadable": str(caught[0].message) if caught else None,
+        },
     }
 
 
@@ -147,7 +159,9 @@ def _problems(report: dict[str, Any]) -> list[str]:
         # "Computed" tables resolve alias keys: a CompositeExplicitAutograd kernel serves CPU and CUDA.
         if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op, "CPU"):
             problems.append(f"{op} has no CPU kernel")
-        if extension["build_info"]["build_cuda"] and not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op, "CUDA"):
+        if extension["build_info"]["build_cuda"] and not torch._C._dispatch_has_computed_kernel_for_dispatch_key(
+            op, "CUDA"
+        ):
             problems.append(f"{op} has no CUDA kernel although the CUDA sources were built")
     if not report["ops"]:
         problems.append("no torch.ops.fastmesh op is registered")
@@ -207,8 +221,11 @@ def format_report(report: dict[str, Any]) -> str:
     width = max((len(op) for op in report["ops"]), default=0)
     lines += [f"  {op:{width}s}  {', '.join(keys)}" for op, keys in report["ops"].items()] or ["  (none)"]
     cuda = report["cuda"]
-    lines += ["", f"CUDA            torch built with {cuda['torch_cuda_version'] or 'no CUDA'}; "
-              f"{len(cuda['devices'])} device(s) visible"]
+    lines += [
+        "",
+        f"CUDA            torch built with {cuda['torch_cuda_version'] or 'no CUDA'}; "
+        f"{len(cuda['devices'])} device(s) visible",
+    ]
     lines += [
         f"  cuda:{d['index']}        {d['name']} (sm {d['capability']}, {d['memory_gib']} GiB)" for d in cuda["devices"]
     ]
@@ -237,8 +254,9 @@ def _tuning_lines(tuning: dict[str, Any]) -> list[str]:
     if cache["unreadable"]:
         state = cache["unreadable"]
     elif cache["exists"]:
-        state = (f"{cache['entries']} plan(s) for this machine (section {cache['section']}), "
-                 f"{cache['sections']} section(s)")
+        state = (
+            f"{cache['entries']} plan(s) for this machine (section {cache['section']}), {cache['sections']} section(s)"
+        )
     else:
         state = "not written yet (fastmesh tune, or FASTMESH_TUNE=measure, writes it)"
     return [f"plan choice     {mode}", f"plan cache      {cache['path']}: {state}"]

@@ -31,7 +31,7 @@ from torch._C._distributed_c10d import _resolve_process_group
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["init_mesh", "group_name"]
+__all__ = ["group_name", "init_mesh"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -165,11 +165,14 @@ def _check_axes(axes: dict[str, int], call: str) -> None:
         raise ValueError("init_mesh() needs at least one mesh axis, e.g. init_mesh(tp=2) or init_mesh(dp=-1, tp=2)")
     for name, size in axes.items():
         if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(f"{call}: the size of axis {name!r} must be an int (-1 for the rest of the world), "
-                            f"not {type(size).__name__}")
+            raise TypeError(
+                f"{call}: the size of axis {name!r} must be an int (-1 for the rest of the world), "
+                f"not {type(size).__name__}"
+            )
         if size < 1 and size != -1:
-            raise ValueError(f"{call}: the size of axis {name!r} is {size}; sizes must be positive, "
-                             "or -1 for the rest of the world")
+            raise ValueError(
+                f"{call}: the size of axis {name!r} is {size}; sizes must be positive, or -1 for the rest of the world"
+            )
     rest = [name for name, size in axes.items() if size == -1]
     if len(rest) > 1:
         raise ValueError(f"{call}: only one axis may be -1, but {', '.join(rest)} are")
@@ -180,8 +183,10 @@ def _resolve_sizes(axes: dict[str, int], world_size: int, call: str) -> tuple[in
     rest = [name for name, size in axes.items() if size == -1]
     if rest:
         if world_size % fixed:
-            raise ValueError(f"{call}: {rest[0]}=-1 takes the rest of the world, but the world's {world_size} "
-                             f"ranks are not divisible by {fixed} (the product of the other axes)")
+            raise ValueError(
+                f"{call}: {rest[0]}=-1 takes the rest of the world, but the world's {world_size} "
+                f"ranks are not divisible by {fixed} (the product of the other axes)"
+            )
         return tuple(world_size // fixed if size == -1 else size for size in axes.values())
     if fixed != world_size:
         raise ValueError(f"{call} needs {fixed} ranks but the world has {world_size}")
@@ -205,8 +210,10 @@ def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timede
 def _check_device(device_type: str) -> int | None:
     """Check that ``device_type`` is usable; return the device index to select, if any."""
     if not device_type.isalpha():
-        raise ValueError(f"init_mesh(device_type={device_type!r}): pass a device type such as 'cuda', "
-                         "without an index; the device comes from LOCAL_RANK")
+        raise ValueError(
+            f"init_mesh(device_type={device_type!r}): pass a device type such as 'cuda', "
+            "without an index; the device comes from LOCAL_RANK"
+        )
     if device_type == "cpu":
         return None
     try:
@@ -214,16 +221,20 @@ def _check_device(device_type: str) -> int | None:
     except RuntimeError as e:
         raise ValueError(f"init_mesh(device_type={device_type!r}): {e}") from None
     if not module.is_available():
-        raise RuntimeError(f"init_mesh(device_type={device_type!r}): torch.{device_type}.is_available() is False "
-                           f"(torch {torch.__version__}); pass device_type='cpu' to run on CPU")
+        raise RuntimeError(
+            f"init_mesh(device_type={device_type!r}): torch.{device_type}.is_available() is False "
+            f"(torch {torch.__version__}); pass device_type='cpu' to run on CPU"
+        )
     if "LOCAL_RANK" not in os.environ:
         return None
     local_rank, count = os.environ["LOCAL_RANK"], module.device_count()
     if not (local_rank.isdigit() and int(local_rank) < count):
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        raise RuntimeError(f"init_mesh(device_type={device_type!r}): LOCAL_RANK={local_rank} but this process "
-                           f"sees {count} {device_type} device(s) (CUDA_VISIBLE_DEVICES={visible}); "
-                           "run at most one process per device on each node")
+        raise RuntimeError(
+            f"init_mesh(device_type={device_type!r}): LOCAL_RANK={local_rank} but this process "
+            f"sees {count} {device_type} device(s) (CUDA_VISIBLE_DEVICES={visible}); "
+            "run at most one process per device on each node"
+        )
     return int(local_rank)
 
 
@@ -232,11 +243,15 @@ def _check_backend(device_type: str, backend: str) -> dict[str, str]:
     backend_map = _parse_backend(backend)
     for device, name in backend_map.items():
         if device not in _devices_served_by(name):
-            raise ValueError(f"init_mesh(backend={backend!r}): backend {name!r} cannot serve device {device!r}; "
-                             f"it serves {', '.join(_devices_served_by(name))}")
+            raise ValueError(
+                f"init_mesh(backend={backend!r}): backend {name!r} cannot serve device {device!r}; "
+                f"it serves {', '.join(_devices_served_by(name))}"
+            )
     if device_type not in backend_map:
-        raise ValueError(f"init_mesh(device_type={device_type!r}, backend={backend!r}): backend {backend!r} "
-                         f"cannot serve device {device_type!r}; it serves {', '.join(backend_map)}")
+        raise ValueError(
+            f"init_mesh(device_type={device_type!r}, backend={backend!r}): backend {backend!r} "
+            f"cannot serve device {device_type!r}; it serves {', '.join(backend_map)}"
+        )
     return backend_map
 
 
@@ -247,8 +262,9 @@ def _default_backend(device_type: str) -> str:
     try:
         return f"cpu:gloo,{device_type}:{dist.Backend.default_device_backend_map[device_type]}"
     except KeyError:
-        raise ValueError(f"init_mesh(device_type={device_type!r}): torch has no default backend for "
-                         f"{device_type!r}; pass backend=") from None
+        raise ValueError(
+            f"init_mesh(device_type={device_type!r}): torch has no default backend for {device_type!r}; pass backend="
+        ) from None
 
 
 def _parse_backend(backend: str) -> dict[str, str]:
@@ -260,8 +276,10 @@ def _parse_backend(backend: str) -> dict[str, str]:
     for pair in backend.split(","):
         device, _, name = pair.partition(":")
         if not device or not name or ":" in name or device in backend_map:
-            raise ValueError(f"init_mesh(backend={backend!r}): expected a backend name or distinct "
-                             "device:backend pairs, such as 'cpu:gloo,cuda:nccl'")
+            raise ValueError(
+                f"init_mesh(backend={backend!r}): expected a backend name or distinct "
+                "device:backend pairs, such as 'cpu:gloo,cuda:nccl'"
+            )
         backend_map[device] = name
     return backend_map
 
@@ -270,25 +288,33 @@ def _devices_served_by(name: str) -> list[str]:
     try:
         return dist.Backend.backend_capability[name]
     except KeyError:
-        raise ValueError(f"init_mesh: unknown backend {name!r}; torch knows "
-                         f"{', '.join(sorted(dist.Backend.backend_capability))}") from None
+        raise ValueError(
+            f"init_mesh: unknown backend {name!r}; torch knows {', '.join(sorted(dist.Backend.backend_capability))}"
+        ) from None
 
 
 def _check_existing_group(device_type: str, backend: str | None, backend_map: dict[str, str]) -> None:
     existing = dist.get_backend_config()
     existing_map = _parse_backend(existing)
     if device_type not in existing_map:
-        raise RuntimeError(f"init_mesh(device_type={device_type!r}): the default process group already exists "
-                           f"with backend {existing!r}, which cannot serve {device_type!r}; it serves "
-                           f"{', '.join(existing_map)}")
+        raise RuntimeError(
+            f"init_mesh(device_type={device_type!r}): the default process group already exists "
+            f"with backend {existing!r}, which cannot serve {device_type!r}; it serves "
+            f"{', '.join(existing_map)}"
+        )
     if backend is None:
         return
-    differing = [f"{device}: {existing_map.get(device)} (requested {name})"
-                 for device, name in backend_map.items() if existing_map.get(device) != name]
+    differing = [
+        f"{device}: {existing_map.get(device)} (requested {name})"
+        for device, name in backend_map.items()
+        if existing_map.get(device) != name
+    ]
     if differing:
-        raise RuntimeError(f"init_mesh(backend={backend!r}): the default process group already exists with "
-                           f"backend {existing!r}, which differs: {'; '.join(differing)}. Omit backend= to "
-                           "reuse it, or destroy it first")
+        raise RuntimeError(
+            f"init_mesh(backend={backend!r}): the default process group already exists with "
+            f"backend {existing!r}, which differs: {'; '.join(differing)}. Omit backend= to "
+            "reuse it, or destroy it first"
+        )
 
 
 def _torchrun_world_size() -> int:
@@ -297,8 +323,10 @@ def _torchrun_world_size() -> int:
         return 1
     missing = [var for var in _TORCHRUN_VARS if var not in os.environ]
     if missing:
-        raise RuntimeError(f"init_mesh: {', '.join(present)} set but {', '.join(missing)} not; launch with "
-                           "torchrun, or unset them all for a 1-process world")
+        raise RuntimeError(
+            f"init_mesh: {', '.join(present)} set but {', '.join(missing)} not; launch with "
+            "torchrun, or unset them all for a 1-process world"
+        )
     return int(os.environ["WORLD_SIZE"])
 
 
@@ -314,11 +342,13 @@ def _mesh_group_name(mesh: DeviceMesh) -> str:
     if mesh.ndim == 1:
         return mesh.get_group().group_name
     if mesh.mesh_dim_names is None:
-        raise ValueError(f"group_name: the mesh has {mesh.ndim} unnamed axes; pass a 1-D mesh or "
-                         "mesh.get_group(axis_index)")
+        raise ValueError(
+            f"group_name: the mesh has {mesh.ndim} unnamed axes; pass a 1-D mesh or mesh.get_group(axis_index)"
+        )
     axis = mesh.mesh_dim_names[-1]
-    raise ValueError(f"group_name: the mesh has axes {mesh.mesh_dim_names}; pass one axis, "
-                     f"e.g. mesh[{axis!r}] or (mesh, {axis!r})")
+    raise ValueError(
+        f"group_name: the mesh has axes {mesh.mesh_dim_names}; pass one axis, e.g. mesh[{axis!r}] or (mesh, {axis!r})"
+    )
 
 
 def _axis_group_name(mesh: DeviceMesh, axis: str) -> str:

@@ -78,32 +78,52 @@ class Row:
 def build_parser() -> argparse.ArgumentParser:
     defaults = LlamaArgs()
     parser = argparse.ArgumentParser(
-        prog="fastmesh tune", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="fastmesh tune",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="measure the plans of fused calls on this machine and keep them in the plan cache",
         epilog="Give a block config (--tokens and any of --dim --hidden --heads --kv-heads --batch; the others "
-               "default to fastmesh.testing.llama.LlamaArgs), --case SPEC, or both.")
+        "default to fastmesh.testing.llama.LlamaArgs), --case SPEC, or both.",
+    )
     parser.add_argument("--world", type=int, default=2, help="ranks to start (default 2)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads per rank (default: cores // ranks, as fastmesh bench)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu (gloo, the default) or cuda (NCCL, one GPU per rank)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads per rank (default: cores // ranks, as fastmesh bench)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (gloo, the default) or cuda (NCCL, one GPU per rank)",
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="default bfloat16")
-    parser.add_argument("--fp8", choices=FP8_GRANULARITIES, default=None,
-                        help="also tune the FP8 forms, with this scaling granularity")
-    parser.add_argument("--cache", default=None, metavar="PATH",
-                        help=f"the plan cache file (default: {ENV_PATH}, else {default_path()})")
+    parser.add_argument(
+        "--fp8", choices=FP8_GRANULARITIES, default=None, help="also tune the FP8 forms, with this scaling granularity"
+    )
+    parser.add_argument(
+        "--cache",
+        default=None,
+        metavar="PATH",
+        help=f"the plan cache file (default: {ENV_PATH}, else {default_path()})",
+    )
     parser.add_argument("--force", action="store_true", help="measure keys the cache has too, replacing their entries")
     block = parser.add_argument_group("block config (one Llama block under fastmesh's fused TP plan)")
     block.add_argument("--tokens", type=int, default=None, help="sequence length (sharded over the ranks)")
     block.add_argument("--dim", type=int, default=None, help=f"model dim (default {defaults.dim})")
-    block.add_argument("--hidden", type=int, default=None,
-                       help=f"feed-forward hidden dim (default {defaults.ffn_hidden})")
+    block.add_argument(
+        "--hidden", type=int, default=None, help=f"feed-forward hidden dim (default {defaults.ffn_hidden})"
+    )
     block.add_argument("--heads", type=int, default=None, help=f"attention heads (default {defaults.n_heads})")
     block.add_argument("--kv-heads", type=int, default=None, help=f"key/value heads (default {defaults.n_kv_heads})")
     block.add_argument("--batch", type=int, default=None, help="sequences per call (default 1)")
-    parser.add_argument("--case", action="append", default=[], metavar="SPEC",
-                        help="an explicit call in fastmesh bench's syntax, e.g. ag:2048x4096:0:384 or "
-                             "rs:4096x1024:0:2048 (repeatable)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="an explicit call in fastmesh bench's syntax, e.g. ag:2048x4096:0:384 or rs:4096x1024:0:2048 (repeatable)",
+    )
     return parser
 
 
@@ -115,18 +135,34 @@ def _block_config(args, parser) -> BlockConfig | None:
             parser.error(f"{', '.join(named)} describe a block, which needs --tokens (its sequence length)")
         return None
     defaults = LlamaArgs()
-    fallback = {"dim": defaults.dim, "hidden": defaults.ffn_hidden, "heads": defaults.n_heads,
-                "kv_heads": defaults.n_kv_heads, "batch": 1}
-    block = BlockConfig(tokens=args.tokens, **{name: fallback[name] if value is None else value
-                                               for name, value in given.items()})
+    fallback = {
+        "dim": defaults.dim,
+        "hidden": defaults.ffn_hidden,
+        "heads": defaults.n_heads,
+        "kv_heads": defaults.n_kv_heads,
+        "batch": 1,
+    }
+    block = BlockConfig(
+        tokens=args.tokens, **{name: fallback[name] if value is None else value for name, value in given.items()}
+    )
     world = args.world
-    for option, value in (("--tokens", block.tokens), ("--dim", block.dim), ("--hidden", block.hidden),
-                          ("--heads", block.heads), ("--kv-heads", block.kv_heads), ("--batch", block.batch)):
+    for option, value in (
+        ("--tokens", block.tokens),
+        ("--dim", block.dim),
+        ("--hidden", block.hidden),
+        ("--heads", block.heads),
+        ("--kv-heads", block.kv_heads),
+        ("--batch", block.batch),
+    ):
         if value < 1:
             parser.error(f"{option} must be >= 1, got {value}")
     # The fused plan shards the sequence, the heads and the hidden dim over the ranks.
-    for option, value in (("--tokens", block.tokens), ("--heads", block.heads), ("--kv-heads", block.kv_heads),
-                          ("--hidden", block.hidden)):
+    for option, value in (
+        ("--tokens", block.tokens),
+        ("--heads", block.heads),
+        ("--kv-heads", block.kv_heads),
+        ("--hidden", block.hidden),
+    ):
         if value % world:
             parser.error(f"{option} {value} must be divisible by --world {world} (TP shards it over the ranks)")
     if block.dim % block.heads:
@@ -144,11 +180,14 @@ def _cases(args, parser) -> tuple:
         except ValueError as error:
             parser.error(f"--case: {error}")  # the error quotes the spec
         if spec.chunks:
-            parser.error(f"--case {text!r}: a piece count (:{spec.chunks}) fixes the plan, so there is nothing to "
-                         "measure; leave it out")
+            parser.error(
+                f"--case {text!r}: a piece count (:{spec.chunks}) fixes the plan, so there is nothing to "
+                "measure; leave it out"
+            )
         if args.fp8 and spec.op == "all_gather_matmul" and spec.dim in (-1, len(spec.shape) - 1):
-            parser.error(f"--case {text!r} with --fp8: the FP8 form gathers rows, so the gathered dim must not be "
-                         "the last")
+            parser.error(
+                f"--case {text!r} with --fp8: the FP8 form gathers rows, so the gathered dim must not be the last"
+            )
         cases.append(spec)
     return tuple(cases)
 
@@ -161,25 +200,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
-        parser.error(f"--device cuda --world {args.world}: one GPU per rank, but torch sees "
-                     f"{torch.cuda.device_count()}")
+        parser.error(
+            f"--device cuda --world {args.world}: one GPU per rank, but torch sees {torch.cuda.device_count()}"
+        )
     block = _block_config(args, parser)
     cases = _cases(args, parser)
     if block is None and not cases:
-        parser.error("nothing to tune: give a block config (--tokens, with --dim --hidden --heads --kv-heads) "
-                     "or --case SPEC")
+        parser.error(
+            "nothing to tune: give a block config (--tokens, with --dim --hidden --heads --kv-heads) or --case SPEC"
+        )
     cache_path = os.path.abspath(args.cache or default_path())
     threads, warning = launch.threads_per_rank(args.world, machine.cores(), args.threads)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    print(f"fastmesh tune: {args.world} ranks on {backend} ({args.device}), {threads} intra-op thread(s) per rank, "
-          f"{plans.ENV_MODE}=measure, cache {cache_path}", flush=True)
+    print(
+        f"fastmesh tune: {args.world} ranks on {backend} ({args.device}), {threads} intra-op thread(s) per rank, "
+        f"{plans.ENV_MODE}=measure, cache {cache_path}",
+        flush=True,
+    )
     if warning:
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)
     # --force: the ranks measure into an empty scratch cache, whose entries then replace the file's.
     scratch = tempfile.mkdtemp(prefix="fastmesh-tune-") if args.force else None
     try:
-        request = Request(args.device, args.dtype, args.fp8, block, cases,
-                          os.path.join(scratch, "plans.json") if scratch else cache_path)
+        request = Request(
+            args.device,
+            args.dtype,
+            args.fp8,
+            block,
+            cases,
+            os.path.join(scratch, "plans.json") if scratch else cache_path,
+        )
         rows = launch.launch(args.world, threads, _rank_main, request)
         if scratch:
             target = PlanCache(cache_path)
@@ -206,13 +256,20 @@ def format_table(rows: list[Row]) -> str:
         else:
             decision = row.decision
             figures = ", ".join(f"{label} {ms:.3g}" for label, ms in decision.figures)
-            merged[row.key] = [row.where, row.op.removeprefix("fastmesh::"), row.call, decision.plan.label,
-                               _SOURCES.get(decision.source, decision.source), figures]
+            merged[row.key] = [
+                row.where,
+                row.op.removeprefix("fastmesh::"),
+                row.call,
+                decision.plan.label,
+                _SOURCES.get(decision.source, decision.source),
+                figures,
+            ]
     header = ["called in", "op", "call", "plan", "source", "figures (ms: slowest rank's median per plan)"]
     table = [header] + list(merged.values())
     widths = [max(len(line[i]) for line in table) for i in range(len(header) - 1)]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1]
-                     for line in table)
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1] for line in table
+    )
 
 
 class _Recorder(TorchDispatchMode):
@@ -254,8 +311,9 @@ def _rank_main(threads: int, request: Request) -> list[Row] | None:
     os.environ[ENV_PATH] = request.cache_path
     if request.device_type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    mesh = fastmesh.init_mesh(tp=int(os.environ["WORLD_SIZE"]), device_type=request.device_type,
-                              timeout=launch.COLLECTIVE_TIMEOUT)
+    mesh = fastmesh.init_mesh(
+        tp=int(os.environ["WORLD_SIZE"]), device_type=request.device_type, timeout=launch.COLLECTIVE_TIMEOUT
+    )
     recorder = _Recorder()
     leader = dist.get_rank() == 0
     try:
@@ -282,8 +340,9 @@ def _run_block(request: Request, mesh, fp8, recorder: _Recorder, suffix: str) ->
     args = LlamaArgs(dim=config.dim, n_heads=config.heads, n_kv_heads=config.kv_heads, ffn_hidden=config.hidden)
     block = parallelize_module(Block(args).to(device=device, dtype=dtype), mesh, fused_block_plan(fp8=fp8))
     rope = tuple(t.to(device) for t in rope_tables(config.tokens, args.head_dim, args.rope_theta))
-    x = torch.randn(config.batch, config.tokens // mesh.size(), config.dim, device=device, dtype=dtype,
-                    requires_grad=True)
+    x = torch.randn(
+        config.batch, config.tokens // mesh.size(), config.dim, device=device, dtype=dtype, requires_grad=True
+    )
     recorder.where = "forward" + suffix
     out = block(x, rope)
     recorder.where = "backward" + suffix

@@ -120,17 +120,18 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from typing import Callable, Sequence
+import itertools
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 __all__ = [
+    "DEFAULT_MAX_SPINS",
     "ChunkPlan",
     "ChunkWaitTimeout",
     "MatmulConfig",
-    "DEFAULT_MAX_SPINS",
     "block_schedule",
     "check_chunk_wait",
     "chunk_plan",
@@ -221,12 +222,33 @@ def _to_output(acc, dtype: tl.constexpr):
 
 @triton.jit
 def _chunked_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, flags_ptr, starts_ptr, schedule_ptr, error_ptr, row_map_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    num_blocks_n, num_tiles, expected, max_spins,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr, HAS_ROW_MAP: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    flags_ptr,
+    starts_ptr,
+    schedule_ptr,
+    error_ptr,
+    row_map_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    num_blocks_n,
+    num_tiles,
+    expected,
+    max_spins,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    WIDEN_BF16: tl.constexpr,
+    HAS_ROW_MAP: tl.constexpr,
 ):
     """[BLOCK_M, BLOCK_N] tiles of C = A @ B, each after the A chunks of its rows have landed.
 
@@ -287,8 +309,11 @@ def _chunked_matmul_kernel(
                 out_rows = tl.load(row_map_ptr + rows, mask=row_ok, other=0).to(tl.int64)
             else:
                 out_rows = rows
-            tl.store(c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, c,
-                     mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(
+                c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+                c,
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,7 +338,9 @@ def _host_int_tensor(name: str, value) -> torch.Tensor:
     try:
         values = tuple(value)
     except TypeError:
-        raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(value).__name__}") from None
+        raise TypeError(
+            f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(value).__name__}"
+        ) from None
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name} must contain ints, got {list(values)}")
     return torch.tensor(values, dtype=torch.int64).view(-1)
@@ -331,7 +358,7 @@ def _check_starts(starts: tuple[int, ...], m: int) -> None:
         raise ValueError(f"chunk_starts must hold num_chunks + 1 >= 2 row offsets, got {list(starts)}")
     if starts[0] != 0 or starts[-1] != m:
         raise ValueError(f"chunk_starts must start at 0 and end at M = {m} (cover the rows of a), got {list(starts)}")
-    if any(lo > hi for lo, hi in zip(starts, starts[1:])):
+    if any(lo > hi for lo, hi in itertools.pairwise(starts)):
         raise ValueError(f"chunk_starts must be non-decreasing, got {list(starts)}")
     if m > _INT32_MAX:
         raise ValueError(f"M = {m} rows do not fit the kernel's int32 row offsets")
@@ -341,7 +368,9 @@ def _check_order(order: tuple[int, ...] | None, num_chunks: int) -> tuple[int, .
     if order is None:
         return tuple(range(num_chunks))
     if sorted(order) != list(range(num_chunks)):
-        raise ValueError(f"order must be a permutation of 0..num_chunks-1 (num_chunks = {num_chunks}), got {list(order)}")
+        raise ValueError(
+            f"order must be a permutation of 0..num_chunks-1 (num_chunks = {num_chunks}), got {list(order)}"
+        )
     return order
 
 
@@ -384,7 +413,7 @@ def _schedule_rows(starts: tuple[int, ...], order: tuple[int, ...], block_m: int
             run_end += 1
         for group_start in range(s, run_end, group_m):
             group_size = min(group_m, run_end - group_start)
-            for key, m_block, first, last in blocks[group_start:group_start + group_size]:
+            for _key, m_block, first, last in blocks[group_start : group_start + group_size]:
                 rows.append([m_block, group_start, group_size, first, last])
         s = run_end
     return rows
@@ -409,8 +438,9 @@ class ChunkPlan:
     row_map: torch.Tensor | None  # int32 [m]
 
 
-def chunk_plan(chunk_starts, order=None, *, config: MatmulConfig, device, row_map=None,
-               out_rows: int | None = None) -> ChunkPlan:
+def chunk_plan(
+    chunk_starts, order=None, *, config: MatmulConfig, device, row_map=None, out_rows: int | None = None
+) -> ChunkPlan:
     """Check a chunk layout and build its :class:`ChunkPlan` on ``device``: build it once, launch it often.
 
     Args:
@@ -434,7 +464,11 @@ def chunk_plan(chunk_starts, order=None, *, config: MatmulConfig, device, row_ma
     device = torch.device(device)
     rows = _schedule_rows(starts, order, config.block_m, config.group_m)
     return ChunkPlan(
-        m=m, out_rows=out_rows, num_chunks=len(starts) - 1, config=config, device=device,
+        m=m,
+        out_rows=out_rows,
+        num_chunks=len(starts) - 1,
+        config=config,
+        device=device,
         schedule=torch.tensor(rows, dtype=torch.int32).view(-1, _SCHEDULE_COLUMNS).to(device),
         starts=torch.tensor(starts, dtype=torch.int32).to(device),
         row_map=None if mapped is None else mapped.to(device=device, dtype=torch.int32),
@@ -451,14 +485,22 @@ def _checked_row_map(row_map, m: int, out_rows: int) -> torch.Tensor | None:
     if mapped.numel() != m:
         raise ValueError(f"row_map must hold one row of C per row of A (M = {m}), got {mapped.numel()}")
     if m and (int(mapped.min()) < 0 or int(mapped.max()) >= out_rows or torch.unique(mapped).numel() != m):
-        raise ValueError(f"row_map must hold distinct rows in [0, out_rows = {out_rows}) (two rows of A must not "
-                         "write the same row of C)")
+        raise ValueError(
+            f"row_map must hold distinct rows in [0, out_rows = {out_rows}) (two rows of A must not "
+            "write the same row of C)"
+        )
     return mapped
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_plan(starts: tuple[int, ...], order: tuple[int, ...] | None, row_map: tuple[int, ...] | None,
-                 out_rows: int | None, config: MatmulConfig, device: torch.device) -> ChunkPlan:
+def _cached_plan(
+    starts: tuple[int, ...],
+    order: tuple[int, ...] | None,
+    row_map: tuple[int, ...] | None,
+    out_rows: int | None,
+    config: MatmulConfig,
+    device: torch.device,
+) -> ChunkPlan:
     """chunk_plan for :func:`chunked_matmul`, keyed by host values: a steady-state call copies nothing."""
     return chunk_plan(starts, order, config=config, device=device, row_map=row_map, out_rows=out_rows)
 
@@ -542,13 +584,18 @@ def launch_chunked_matmul(
     m, k = a.shape
     n = b.shape[1]
     if tuple(out.shape) != (plan.out_rows, n) or out.dtype != a.dtype:
-        raise ValueError(f"out must be [rows, N] = [{plan.out_rows}, {n}] of dtype {a.dtype}, got {list(out.shape)} of "
-                         f"{out.dtype}")
+        raise ValueError(
+            f"out must be [rows, N] = [{plan.out_rows}, {n}] of dtype {a.dtype}, got {list(out.shape)} of {out.dtype}"
+        )
     if flags.dtype != torch.int32 or tuple(flags.shape) != (plan.num_chunks,):
-        raise ValueError(f"flags must be an int32 tensor with one flag per chunk, shape [{plan.num_chunks}] "
-                         f"(num_chunks = {plan.num_chunks}), got {flags.dtype} of shape {list(flags.shape)}")
+        raise ValueError(
+            f"flags must be an int32 tensor with one flag per chunk, shape [{plan.num_chunks}] "
+            f"(num_chunks = {plan.num_chunks}), got {flags.dtype} of shape {list(flags.shape)}"
+        )
     if error.dtype != torch.int32 or error.numel() != 1:
-        raise ValueError(f"error must be an int32 tensor of one element, got {error.dtype} of shape {list(error.shape)}")
+        raise ValueError(
+            f"error must be an int32 tensor of one element, got {error.dtype} of shape {list(error.shape)}"
+        )
     for name, t in (("b", b), ("out", out), ("flags", flags), ("error", error)):
         _check_same_device(name, t, device)
     _check_bound("expected", expected, 1)
@@ -565,16 +612,35 @@ def launch_chunked_matmul(
     programs = num_tiles if max_programs is None else min(num_tiles, max_programs)
     kernel = _chunked_matmul_kernel if wrap is None else wrap(_chunked_matmul_kernel)
     kernel[(programs,)](
-        a, b, out, flags, plan.starts, plan.schedule, error,
+        a,
+        b,
+        out,
+        flags,
+        plan.starts,
+        plan.schedule,
+        error,
         plan.row_map if plan.row_map is not None else plan.starts,  # not read without a row map
-        m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        num_blocks_n, num_tiles, expected, max_spins,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_blocks_n,
+        num_tiles,
+        expected,
+        max_spins,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
         INPUT_PRECISION=input_precision if a.dtype == torch.float32 else None,
         WIDEN_BF16=_is_interpreted() and a.dtype == torch.bfloat16,
         HAS_ROW_MAP=plan.row_map is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
@@ -646,16 +712,35 @@ def chunked_matmul(
             raise ValueError("out must be given with a row_map (the rows it maps into)")
         out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
     elif not isinstance(out, torch.Tensor) or out.dim() != 2:
-        raise ValueError(f"out must be a 2-D tensor, got {out if not isinstance(out, torch.Tensor) else list(out.shape)}")
+        raise ValueError(
+            f"out must be a 2-D tensor, got {out if not isinstance(out, torch.Tensor) else list(out.shape)}"
+        )
     if check is None:
         check = error is None
     if error is None:
         error = torch.zeros(1, dtype=torch.int32, device=a.device)
     config = config or default_config(a.dtype)
-    plan = _cached_plan(starts, _host_ints("order", order, allow_none=True), _host_ints("row_map", row_map, allow_none=True),
-                        out.shape[0] if row_map is not None else None, config, a.device)
-    launch_chunked_matmul(plan, a, b, out, flags, error, expected=expected, max_spins=max_spins,
-                          max_programs=max_programs, input_precision=input_precision, wrap=wrap)
+    plan = _cached_plan(
+        starts,
+        _host_ints("order", order, allow_none=True),
+        _host_ints("row_map", row_map, allow_none=True),
+        out.shape[0] if row_map is not None else None,
+        config,
+        a.device,
+    )
+    launch_chunked_matmul(
+        plan,
+        a,
+        b,
+        out,
+        flags,
+        error,
+        expected=expected,
+        max_spins=max_spins,
+        max_programs=max_programs,
+        input_precision=input_precision,
+        wrap=wrap,
+    )
     if check:
         check_chunk_wait(error)
     return out
@@ -718,9 +803,10 @@ def loopback_chunked_matmul(
                 torch.cuda._sleep(delay_cycles)
             lo, hi = starts[chunk], starts[chunk + 1]
             gathered[lo:hi].copy_(a[lo:hi])
-            flags[chunk:chunk + 1].copy_(one)
-    out = chunked_matmul(gathered, b, flags, starts, order=order, max_spins=max_spins, error=error,
-                         check=False, config=config)
+            flags[chunk : chunk + 1].copy_(one)
+    out = chunked_matmul(
+        gathered, b, flags, starts, order=order, max_spins=max_spins, error=error, check=False, config=config
+    )
     # Every tensor the side stream touched was allocated on (or given to) the current stream, and
     # the current stream now waits for the side stream: no record_stream needed.
     current.wait_stream(side)

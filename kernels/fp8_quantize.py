@@ -48,13 +48,14 @@ The op layer passes ``torch.library.wrap_triton`` so that compiled graphs see th
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Quantized", "quantize", "amax", "scale_shape", "GRANULARITIES", "FP8_MAX"]
+__all__ = ["FP8_MAX", "GRANULARITIES", "Quantized", "amax", "quantize", "scale_shape"]
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128")
@@ -159,9 +160,20 @@ def _amax_flat_kernel(x_ptr, amax_bits_ptr, numel, blocks_per_program, BLOCK: tl
 
 @triton.jit
 def _amax_tiles_kernel(
-    x_ptr, out_ptr, out2_ptr, M, K, tiles_k,
-    out_stride_m, out_stride_k, out2_stride_m, out2_stride_k,
-    REDUCE: tl.constexpr, REDUCE2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    out2_ptr,
+    M,
+    K,
+    tiles_k,
+    out_stride_m,
+    out_stride_k,
+    out2_stride_m,
+    out2_stride_k,
+    REDUCE: tl.constexpr,
+    REDUCE2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """Per-group |x| bits of [BLOCK_M, BLOCK_K] tiles, atomically maxed into zero-initialized int32
     outputs. out reduces the tile (REDUCE_TILE), its rows (REDUCE_ROWS) or its columns (REDUCE_COLS);
@@ -188,9 +200,19 @@ def _amax_tiles_kernel(
 
 @triton.jit
 def _rowwise_kernel(
-    x_ptr, data_ptr, scale_ptr, amax_ptr, given_ptr, M, K,
-    SOURCE: tl.constexpr, POWER_OF_TWO: tl.constexpr, FP8_MAX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    amax_ptr,
+    given_ptr,
+    M,
+    K,
+    SOURCE: tl.constexpr,
+    POWER_OF_TWO: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
 ):
     """Rowwise quantization of BLOCK_M rows: amax of each row, then its cast (no transpose)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -235,10 +257,26 @@ def _rowwise_kernel(
 
 @triton.jit
 def _quantize_tiles_kernel(
-    x_ptr, data_ptr, data_t_ptr, scale_ptr, scale_t_ptr, amax_bits_ptr, given_ptr, col_amax_bits_ptr,
-    M, K, tiles_k, groups_k, groups_m,
-    GRANULARITY: tl.constexpr, SOURCE: tl.constexpr, TRANSPOSE: tl.constexpr, POWER_OF_TWO: tl.constexpr,
-    FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    data_ptr,
+    data_t_ptr,
+    scale_ptr,
+    scale_t_ptr,
+    amax_bits_ptr,
+    given_ptr,
+    col_amax_bits_ptr,
+    M,
+    K,
+    tiles_k,
+    groups_k,
+    groups_m,
+    GRANULARITY: tl.constexpr,
+    SOURCE: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    POWER_OF_TWO: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """Quantize one [BLOCK_M, BLOCK_K] tile of x ([M, K]) into data (and data_t = [K, M]).
 
@@ -427,8 +465,20 @@ def amax(x: torch.Tensor, granularity: str = "tensorwise", *, wrap: Callable | N
         reduce, strides = _REDUCE_TILE, (_cdiv(k, BLOCK), 1)
     tiles_k = _cdiv(k, block_k)
     _launcher(_amax_tiles_kernel, wrap)[(_cdiv(m, block_m) * tiles_k,)](
-        x, out_bits, _unused(torch.int32, x.device), m, k, tiles_k, strides[0], strides[1], 0, 0,
-        REDUCE=reduce, REDUCE2=_REDUCE_NONE, BLOCK_M=block_m, BLOCK_K=block_k,
+        x,
+        out_bits,
+        _unused(torch.int32, x.device),
+        m,
+        k,
+        tiles_k,
+        strides[0],
+        strides[1],
+        0,
+        0,
+        REDUCE=reduce,
+        REDUCE2=_REDUCE_NONE,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
         num_warps=8 if block_m * block_k >= 8192 else 4,
     )
     return out_bits.view(torch.float32)
@@ -482,8 +532,10 @@ def quantize(
     given = scale if scale is not None else amax
     source = _SOURCE_SCALE if scale is not None else _SOURCE_AMAX if amax is not None else _SOURCE_CURRENT
     if transpose and given is not None and gran in (_ROWWISE, _BLOCK1X128):
-        raise ValueError(f"transpose with a given scale or amax needs granularity 'tensorwise' or "
-                         f"'block128x128', got {granularity!r}")
+        raise ValueError(
+            f"transpose with a given scale or amax needs granularity 'tensorwise' or "
+            f"'block128x128', got {granularity!r}"
+        )
     x = x.contiguous()
     m, k = _rows_cols(x.shape)
     s_shape = scale_shape(x.shape, granularity)
@@ -501,7 +553,7 @@ def quantize(
         scale_t = torch.empty(scale_shape((k, m), granularity), dtype=torch.float32, device=device)
     # The returned amax, as int32 bits: zero (the bits of +0.0, the identity of the max) where it is
     # combined with atomics.
-    atomic_amax = gran == _TENSORWISE and source != _SOURCE_AMAX or gran == _ROWWISE and transpose
+    atomic_amax = (gran == _TENSORWISE and source != _SOURCE_AMAX) or (gran == _ROWWISE and transpose)
     amax_bits = (torch.zeros if atomic_amax else torch.empty)(s_shape, dtype=torch.int32, device=device)
     given_arg = given if given is not None else _unused(torch.float32, device)
     common = dict(POWER_OF_TWO=bool(power_of_two), FP8_MAX=fp8_max)
@@ -510,8 +562,18 @@ def quantize(
         if m > 0:
             block_m, block_k = _row_blocks(k)
             _launcher(_rowwise_kernel, wrap)[(_cdiv(m, block_m),)](
-                x, data, scale_out, amax_bits.view(torch.float32), given_arg, m, k,
-                SOURCE=source, BLOCK_M=block_m, BLOCK_K=block_k, SINGLE_BLOCK=k <= block_k, **common,
+                x,
+                data,
+                scale_out,
+                amax_bits.view(torch.float32),
+                given_arg,
+                m,
+                k,
+                SOURCE=source,
+                BLOCK_M=block_m,
+                BLOCK_K=block_k,
+                SINGLE_BLOCK=k <= block_k,
+                **common,
             )
         return Quantized(data, scale_out, amax_bits.view(torch.float32), None, None)
 
@@ -537,8 +599,20 @@ def quantize(
         tiles_k = _cdiv(k, block_k)
         if x.numel() > 0:
             _launcher(_amax_tiles_kernel, wrap)[(_cdiv(m, block_m) * tiles_k,)](
-                x, amax_bits, col_amax_bits, m, k, tiles_k, 1, 0, 0, 1,
-                REDUCE=_REDUCE_ROWS, REDUCE2=_REDUCE_COLS, BLOCK_M=block_m, BLOCK_K=block_k,
+                x,
+                amax_bits,
+                col_amax_bits,
+                m,
+                k,
+                tiles_k,
+                1,
+                0,
+                0,
+                1,
+                REDUCE=_REDUCE_ROWS,
+                REDUCE2=_REDUCE_COLS,
+                BLOCK_M=block_m,
+                BLOCK_K=block_k,
             )
     elif gran == _BLOCK1X128:
         block_m, block_k = (BLOCK if transpose else _BLOCK1X128_ROWS), BLOCK
@@ -561,9 +635,25 @@ def quantize(
         if col_amax_bits is None:
             col_amax_bits = _unused(torch.int32, device)
         _launcher(_quantize_tiles_kernel, wrap)[(programs,)](
-            x, data, data_t_arg, scale_out, scale_t_arg, amax_bits, given_arg, col_amax_bits,
-            tile_m, tile_k, tiles_k, _cdiv(k, BLOCK), _cdiv(m, BLOCK),
-            GRANULARITY=gran, SOURCE=source, TRANSPOSE=bool(transpose), BLOCK_M=block_m, BLOCK_K=block_k,
-            num_warps=8 if block_m * block_k >= 8192 else 4, **common,
+            x,
+            data,
+            data_t_arg,
+            scale_out,
+            scale_t_arg,
+            amax_bits,
+            given_arg,
+            col_amax_bits,
+            tile_m,
+            tile_k,
+            tiles_k,
+            _cdiv(k, BLOCK),
+            _cdiv(m, BLOCK),
+            GRANULARITY=gran,
+            SOURCE=source,
+            TRANSPOSE=bool(transpose),
+            BLOCK_M=block_m,
+            BLOCK_K=block_k,
+            num_warps=8 if block_m * block_k >= 8192 else 4,
+            **common,
         )
     return Quantized(data, scale_out, amax_bits.view(torch.float32), data_t, scale_t)

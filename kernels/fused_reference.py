@@ -8,7 +8,7 @@ matmul is left to fuse.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -37,7 +37,7 @@ def reduce_scatter(t: torch.Tensor, scatter_dim: int, group_name: str, reduce_op
 
 def all_gather_matmul(
     a_shard: torch.Tensor, bs: Sequence[torch.Tensor], gather_dim: int, group_name: str, return_a: bool = False
-) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     a = all_gather(a_shard, gather_dim, group_name)
     return (a if return_a else None), [a @ b for b in bs]
 

@@ -9,7 +9,7 @@ import tempfile
 # the rank processes (which import test modules by name) need it there.
 sys.path.insert(0, os.path.dirname(__file__))
 
-import rank_pool  # noqa: E402
+import rank_pool
 
 _inductor_cache_dir = None
 

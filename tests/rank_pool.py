@@ -127,8 +127,11 @@ class RankPool:
             self._task_queues = [context.Queue() for _ in range(self.world_size)]
             for rank in range(self.world_size):
                 config = _WorkerConfig(rank, self.world_size, backend, self._log_dir, os.getpid())
-                proc = context.Process(target=_worker_main, args=(config, self._task_queues[rank], self._results),
-                                       name=f"fastmesh-rank{rank}")
+                proc = context.Process(
+                    target=_worker_main,
+                    args=(config, self._task_queues[rank], self._results),
+                    name=f"fastmesh-rank{rank}",
+                )
                 proc.start()
                 self._procs.append(proc)
         except BaseException:
@@ -261,7 +264,8 @@ def on_ranks(*world_sizes: int, timeout: float = DEFAULT_TIMEOUT_S):
 
         world_size_param = inspect.Parameter("world_size", inspect.Parameter.POSITIONAL_OR_KEYWORD)
         test.__signature__ = inspect.Signature(
-            [world_size_param, *(p for name, p in params.items() if name != "world_size")])
+            [world_size_param, *(p for name, p in params.items() if name != "world_size")]
+        )
         test._rank_fn = fn
         return pytest.mark.parametrize("world_size", world_sizes, ids=lambda n: f"{n}ranks")(test)
 
@@ -272,8 +276,7 @@ def _importable_name(fn) -> tuple[str, str, str | None, bool]:
     """Return ``fn``'s module name and qualified name, the module's file (if any), and whether
     pytest rewrote the module's asserts."""
     if "<locals>" in fn.__qualname__ or "<lambda>" in fn.__qualname__:
-        raise ValueError(f"{fn.__qualname__} cannot run on ranks: they import it by name, so define it at "
-                         "module level")
+        raise ValueError(f"{fn.__qualname__} cannot run on ranks: they import it by name, so define it at module level")
     module = sys.modules.get(fn.__module__)
     return fn.__module__, fn.__qualname__, getattr(module, "__file__", None), "@pytest_ar" in vars(module or {})
 
@@ -302,18 +305,23 @@ def _echo(outputs: dict[int, str]) -> None:
             sys.stdout.write(f"----- rank {rank} output -----\n{text}")
 
 
-def _failure(what: str, world_size: int, outcomes: dict[int, _Outcome], outputs: dict[int, str],
-             timeout: float) -> RankFailure:
+def _failure(
+    what: str, world_size: int, outcomes: dict[int, _Outcome], outputs: dict[int, str], timeout: float
+) -> RankFailure:
     stuck = [rank for rank in range(world_size) if rank not in outcomes]
     failed = [rank for rank, outcome in sorted(outcomes.items()) if not outcome.ok]
     if stuck and not failed:
-        headline = (f"{what} timed out after {timeout:g} s on rank(s) {stuck} of {world_size}; "
-                    "the pool was killed and restarts on next use")
+        headline = (
+            f"{what} timed out after {timeout:g} s on rank(s) {stuck} of {world_size}; "
+            "the pool was killed and restarts on next use"
+        )
     else:
         headline = f"{what} failed on rank(s) {failed} of {world_size}"
         if stuck:
-            headline += (f"; rank(s) {stuck} were still busy {GRACE_S:g} s later, so the pool was killed "
-                         "and restarts on next use")
+            headline += (
+                f"; rank(s) {stuck} were still busy {GRACE_S:g} s later, so the pool was killed "
+                "and restarts on next use"
+            )
     sections = [headline]
     for rank in range(world_size):
         outcome = outcomes.get(rank)
@@ -378,8 +386,12 @@ def _redirect_output(path: str) -> None:
 
 
 def _init_rank(config: _WorkerConfig) -> None:
-    os.environ.update(RANK=str(config.rank), WORLD_SIZE=str(config.world_size), LOCAL_RANK=str(config.rank),
-                      LOCAL_WORLD_SIZE=str(config.world_size))
+    os.environ.update(
+        RANK=str(config.rank),
+        WORLD_SIZE=str(config.world_size),
+        LOCAL_RANK=str(config.rank),
+        LOCAL_WORLD_SIZE=str(config.world_size),
+    )
     # Ranks share the machine's cores; more threads per rank only oversubscribe them.
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -389,8 +401,13 @@ def _init_rank(config: _WorkerConfig) -> None:
     else:
         torch.cuda.set_device(config.rank)
     # A file store in the pool's own fresh directory: no port, so no collision with other runs.
-    dist.init_process_group(config.backend, init_method=f"file://{config.log_dir}/rendezvous",
-                            rank=config.rank, world_size=config.world_size, timeout=PG_TIMEOUT)
+    dist.init_process_group(
+        config.backend,
+        init_method=f"file://{config.log_dir}/rendezvous",
+        rank=config.rank,
+        world_size=config.world_size,
+        timeout=PG_TIMEOUT,
+    )
 
 
 def _next_task(tasks, parent_pid: int):
@@ -402,8 +419,7 @@ def _next_task(tasks, parent_pid: int):
                 return None
 
 
-def _run_task(module: str, path: str | None, rewrite: bool, qualname: str,
-              kwargs_bytes: bytes) -> tuple[bool, object]:
+def _run_task(module: str, path: str | None, rewrite: bool, qualname: str, kwargs_bytes: bytes) -> tuple[bool, object]:
     try:
         fn = _import(module, path, rewrite)
         for attr in qualname.split("."):

@@ -20,13 +20,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from log_capture import plan_log
+from rank_pool import on_ranks
+from triton_interpreter import INTERPRETED, run_module_under_interpreter
 
 import fastmesh
 from fastmesh import _cpp_lib
 from fastmesh.ops import chunked_gather
-from log_capture import plan_log
-from rank_pool import on_ranks
-from triton_interpreter import INTERPRETED, run_module_under_interpreter
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -62,9 +62,9 @@ def assert_same(got, expected, what):
 LAYOUT_CASES = [
     ((7, 5), 0, ((0, 3), (3, 5), (5, 7))),
     ((1, 6, 4), 1, ((0, 2), (2, 6))),
-    ((3, 4, 2, 5), 1, ((0, 16), (16, 24))),   # P = 3 slabs of Q = 8 rows: pieces of whole slabs
+    ((3, 4, 2, 5), 1, ((0, 16), (16, 24))),  # P = 3 slabs of Q = 8 rows: pieces of whole slabs
     ((4, 3, 5), 0, ((0, 12),)),
-    ((2, 3, 5), 2, ((0, 6),)),                 # Q = 1
+    ((2, 3, 5), 2, ((0, 6),)),  # Q = 1
 ]
 
 
@@ -84,7 +84,7 @@ def test_gather_layout_puts_every_row_where_the_gather_does(shape, dim, pieces, 
     assert sorted(row_map) == list(range(world * rows))
     sizes = [end - begin for begin, end in pieces for _ in range(world)]
     assert list(layout.chunk_starts) == [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    assert list(layout.order[:len(pieces)]) == [i * world + rank for i in range(len(pieces))]
+    assert list(layout.order[: len(pieces)]) == [i * world + rank for i in range(len(pieces))]
     assert sorted(layout.order) == list(range(len(sizes)))
     # No permutation exactly where the arrival order is the gathered order.
     assert (layout.row_map is None) == (len(pieces) == 1 and math.prod(shape[:dim]) == 1)
@@ -108,7 +108,9 @@ def test_row_pieces_follow_the_cpu_schedule(shape, dim, requested):
     assert pieces[0][0] == 0 and pieces[-1][1] == rows
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(pieces, pieces[1:] + [(rows, rows + 1)]))
     assert all(begin % unit_rows == 0 for begin, _ in pieces)
-    expected = [(b * unit_rows, e * unit_rows) for b, e in ext.pipeline_pieces(units, unit_rows * shape[-1] * 4, requested)]
+    expected = [
+        (b * unit_rows, e * unit_rows) for b, e in ext.pipeline_pieces(units, unit_rows * shape[-1] * 4, requested)
+    ]
     assert pieces == expected
     if requested:
         assert len(pieces) == min(requested, units)
@@ -154,12 +156,12 @@ def test_loopback_rejects_bad_arguments():
 
 # (shard shape, gather dim, world, rank, chunks, number of bs)
 LOOPBACK_CASES = [
-    ((1, 7), 0, 2, 1, 0, 1),          # one shard row
-    ((5, 7), 0, 2, 0, 3, 2),          # row pieces, a permuted layout
-    ((127, 9), 0, 3, 2, 0, 1),        # odd shard rows, the auto piece count
-    ((3, 4, 6), 1, 2, 1, 2, 3),       # P = 3 slabs of 4 rows, Q, K, V
-    ((2, 3, 5, 6), 2, 4, 3, 1, 1),    # P = 6, Q = 5, one piece
-    ((1, 33, 20), 1, 2, 0, 1, 2),     # P = 1, one piece: the arrival order is the gathered order
+    ((1, 7), 0, 2, 1, 0, 1),  # one shard row
+    ((5, 7), 0, 2, 0, 3, 2),  # row pieces, a permuted layout
+    ((127, 9), 0, 3, 2, 0, 1),  # odd shard rows, the auto piece count
+    ((3, 4, 6), 1, 2, 1, 2, 3),  # P = 3 slabs of 4 rows, Q, K, V
+    ((2, 3, 5, 6), 2, 4, 3, 1, 1),  # P = 6, Q = 5, one piece
+    ((1, 33, 20), 1, 2, 0, 1, 2),  # P = 1, one piece: the arrival order is the gathered order
 ]
 
 
@@ -172,14 +174,16 @@ def test_loopback_equals_gather_then_matmul(shape, dim, world, rank, chunks, num
     bs = [small_ints((k, n), dtype, seed=100 + n) for n in (5, 18, 3)[:num_bs]]
     bs[0] = bs[0].t().contiguous().t()  # a transposed weight, as nn.Linear's w.t()
     transport = chunked_gather.LoopbackTransport(shards, rank)
-    a_full, outs = chunked_gather.all_gather_chunked_matmul(shards[rank], bs, dim, transport, return_a=True,
-                                                            chunks=chunks)
+    a_full, outs = chunked_gather.all_gather_chunked_matmul(
+        shards[rank], bs, dim, transport, return_a=True, chunks=chunks
+    )
     a_ref, outs_ref = reference(shards, bs, dim)
     assert_same(a_full, a_ref.to(dtype), "gathered a")
     for i, (out, expected) in enumerate(zip(outs, outs_ref)):
         assert_same(out, expected.to(dtype), f"out {i}")
-    a_none, outs_again = chunked_gather.all_gather_chunked_matmul(shards[rank], bs, dim, transport, return_a=False,
-                                                                  chunks=chunks)
+    a_none, outs_again = chunked_gather.all_gather_chunked_matmul(
+        shards[rank], bs, dim, transport, return_a=False, chunks=chunks
+    )
     assert a_none is None and all(torch.equal(x, y) for x, y in zip(outs, outs_again))
 
 
@@ -188,8 +192,9 @@ def test_loopback_with_an_empty_b():
     """A b with no columns gives an empty product beside the others (nothing to launch for it)."""
     shards = [small_ints((3, 5), torch.float32, seed=j) for j in range(2)]
     bs = [small_ints((5, 0), torch.float32, seed=1), small_ints((5, 4), torch.float32, seed=2)]
-    a_full, outs = chunked_gather.all_gather_chunked_matmul(shards[1], bs, 0, chunked_gather.LoopbackTransport(shards, 1),
-                                                            return_a=True, chunks=2)
+    a_full, outs = chunked_gather.all_gather_chunked_matmul(
+        shards[1], bs, 0, chunked_gather.LoopbackTransport(shards, 1), return_a=True, chunks=2
+    )
     a_ref, outs_ref = reference(shards, bs, 0)
     assert outs[0].shape == (6, 0)
     assert_same(outs[1], outs_ref[1].float(), "the other b")
@@ -218,8 +223,9 @@ def test_a_lost_piece_raises():
     shards = [small_ints((8, 4), torch.float32, seed=j) for j in range(world)]
     transport = _LosingTransport(shards, rank, lost=1)
     with pytest.raises(ChunkWaitTimeout, match=r"gave up waiting for chunk 3\b") as raised:
-        chunked_gather.all_gather_chunked_matmul(shards[rank], [torch.ones(4, 3)], 0, transport, return_a=False,
-                                                 chunks=2, max_spins=3)
+        chunked_gather.all_gather_chunked_matmul(
+            shards[rank], [torch.ones(4, 3)], 0, transport, return_a=False, chunks=2, max_spins=3
+        )
     assert raised.value.chunk == 3  # piece 1, rank 1
 
 
@@ -240,7 +246,7 @@ def _through_the_cuda_kernel(shape, dim, chunks, return_a, enabled):
             expected_a, expected = torch.ops.fastmesh.all_gather_matmul(shards[rank], bs, dim, name, True, chunks)
     finally:
         os.environ.pop(chunked_gather.ENV_ENABLE)
-    a_ref, outs_ref = reference(shards, bs, dim)
+    _, outs_ref = reference(shards, bs, dim)
     for out, cpu_out, ref in zip(outs, expected, outs_ref):
         assert_same(out, cpu_out, "against the CPU op")
         assert_same(out, ref.bfloat16(), "against the reference")
@@ -264,13 +270,16 @@ def test_cuda_kernel_takes_the_consumer_gemm_when_enabled():
 @on_ranks(2)
 def test_cuda_kernel_falls_back_and_says_why():
     messages = _through_the_cuda_kernel((4, 6), 0, 0, True, enabled=False)
-    assert "(not the Triton consumer GEMM: it is opt-in until measured on GPUs: FASTMESH_CUDA_CONSUMER_GEMM=1)" \
-        in messages[0], messages
+    assert (
+        "(not the Triton consumer GEMM: it is opt-in until measured on GPUs: FASTMESH_CUDA_CONSUMER_GEMM=1)"
+        in messages[0]
+    ), messages
     messages = _through_the_cuda_kernel((4, 6), 1, 0, True, enabled=True)  # the contraction dim
     assert "the gathered dim is the contraction dim" in messages[0], messages
 
 
 # ---- GPU: the waiting, for real ----
+
 
 @needs_cuda
 @pytest.mark.parametrize("shape, dim, world, rank, chunks", [((2048, 1024), 0, 4, 1, 0), ((4, 512, 1024), 1, 2, 0, 3)])
@@ -292,7 +301,8 @@ def test_cuda_lost_piece_is_reported_later():
 
     shards = [small_ints((256, 128), torch.bfloat16, seed=j, device="cuda") for j in range(2)]
     transport = _LosingTransport(shards, 0, lost=1)
-    chunked_gather.all_gather_chunked_matmul(shards[0], [shards[1][:128].t()], 0, transport, False, chunks=2,
-                                             max_spins=1000)
+    chunked_gather.all_gather_chunked_matmul(
+        shards[0], [shards[1][:128].t()], 0, transport, False, chunks=2, max_spins=1000
+    )
     with pytest.raises(ChunkWaitTimeout, match=r"chunk 3\b"):
         chunked_gather.raise_pending_timeouts(block=True)

@@ -32,7 +32,6 @@ import sys
 
 import pytest
 import torch
-
 from triton_interpreter import INTERPRETED, ROOT, run_module_under_interpreter
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -131,7 +130,7 @@ def untouched_rows(starts, lost, block_m, m):
     for chunk in lost:
         lo, hi = starts[chunk], starts[chunk + 1]
         if hi > lo:
-            rows[(lo // block_m) * block_m:min(-(-hi // block_m) * block_m, m)] = True
+            rows[(lo // block_m) * block_m : min(-(-hi // block_m) * block_m, m)] = True
     return rows
 
 
@@ -144,13 +143,16 @@ def _touched(starts, r0, r1):
     return [c for c in range(len(starts) - 1) if starts[c] < r1 and starts[c + 1] > r0]
 
 
-@pytest.mark.parametrize("starts, order, block_m, group_m", [
-    ([0, 5, 20, 37], [2, 0, 1], 16, 2),
-    ([0, 3, 3, 9, 40, 41, 100], [4, 1, 0, 5, 2, 3], 16, 3),    # an empty chunk; a tile over 3 chunks
-    ([0, 64, 128, 192, 256], None, 16, 2),                     # aligned, identity order
-    ([0, 1000], None, 16, 8),
-    ([0, 300, 301, 700, 1000], [3, 2, 1, 0], 128, 8),
-])
+@pytest.mark.parametrize(
+    "starts, order, block_m, group_m",
+    [
+        ([0, 5, 20, 37], [2, 0, 1], 16, 2),
+        ([0, 3, 3, 9, 40, 41, 100], [4, 1, 0, 5, 2, 3], 16, 3),  # an empty chunk; a tile over 3 chunks
+        ([0, 64, 128, 192, 256], None, 16, 2),  # aligned, identity order
+        ([0, 1000], None, 16, 8),
+        ([0, 300, 301, 700, 1000], [3, 2, 1, 0], 128, 8),
+    ],
+)
 def test_block_schedule(starts, order, block_m, group_m):
     """Every M-block once, sorted by the arrival of the last chunk it touches; groups of at most
     group_m never span two arrival keys; first/last chunk bound exactly the chunks touched."""
@@ -184,7 +186,10 @@ def test_block_schedule_example():
     is ready first; blocks 0 and 1 both wait for chunk 1 (the last to arrive) and form one group."""
     cm = module()
     expected = [[2, 0, 1, 2, 2], [0, 1, 2, 0, 1], [1, 1, 2, 1, 2]]
-    assert cm.block_schedule(torch.tensor([0, 5, 20, 37]), torch.tensor([2, 0, 1]), block_m=16, group_m=2).tolist() == expected
+    assert (
+        cm.block_schedule(torch.tensor([0, 5, 20, 37]), torch.tensor([2, 0, 1]), block_m=16, group_m=2).tolist()
+        == expected
+    )
 
 
 def test_rejects_bad_arguments():
@@ -196,50 +201,92 @@ def test_rejects_bad_arguments():
     cases = [
         (ValueError, r"a must be 2-D \[M, K\], got shape \[10\]", dict(a=torch.ones(10))),
         (ValueError, r"b must be 2-D \[K, N\], got shape \[4, 3, 1\]", dict(b=torch.ones(4, 3, 1))),
-        (TypeError, r"a must be float32, bfloat16 or float16, got torch.int32",
-         dict(a=torch.ones(10, 4, dtype=torch.int32))),
+        (
+            TypeError,
+            r"a must be float32, bfloat16 or float16, got torch.int32",
+            dict(a=torch.ones(10, 4, dtype=torch.int32)),
+        ),
         (TypeError, r"b must have a's dtype torch.float32, got torch.bfloat16", dict(b=b.bfloat16())),
         (ValueError, r"disagree on K: a is \[10, 4\], b is \[5, 3\]", dict(b=torch.ones(5, 3))),
         (ValueError, r"b must be on a's device cpu, got meta", dict(b=torch.ones(4, 3, device="meta"))),
-        (ValueError, r"chunk_starts must start at 0 and end at M = 10 \(cover the rows of a\), got \[0, 4, 9\]",
-         dict(chunk_starts=[0, 4, 9])),
+        (
+            ValueError,
+            r"chunk_starts must start at 0 and end at M = 10 \(cover the rows of a\), got \[0, 4, 9\]",
+            dict(chunk_starts=[0, 4, 9]),
+        ),
         (ValueError, r"chunk_starts must start at 0 and end at M = 10", dict(chunk_starts=[1, 4, 10])),
         (ValueError, r"chunk_starts must be non-decreasing, got \[0, 6, 4, 10\]", dict(chunk_starts=[0, 6, 4, 10])),
         (ValueError, r"chunk_starts must hold num_chunks \+ 1 >= 2 row offsets, got \[10\]", dict(chunk_starts=[10])),
-        (TypeError, r"chunk_starts must be int32 or int64, got torch.float32",
-         dict(chunk_starts=torch.tensor([0.0, 4.0, 10.0]))),
+        (
+            TypeError,
+            r"chunk_starts must be int32 or int64, got torch.float32",
+            dict(chunk_starts=torch.tensor([0.0, 4.0, 10.0])),
+        ),
         (ValueError, r"chunk_starts must be 1-D, got shape \[1, 3\]", dict(chunk_starts=torch.tensor([[0, 4, 10]]))),
-        (ValueError, r"flags must be an int32 tensor with one flag per chunk, shape \[2\] \(num_chunks = 2\), "
-                     r"got torch.int32 of shape \[3\]", dict(flags=torch.ones(3, dtype=torch.int32))),
-        (ValueError, r"flags must be an int32 tensor .* got torch.int64 of shape \[2\]",
-         dict(flags=torch.ones(2, dtype=torch.int64))),
-        (ValueError, r"flags must be on a's device cpu, got meta",
-         dict(flags=torch.ones(2, dtype=torch.int32, device="meta"))),
-        (ValueError, r"order must be a permutation of 0..num_chunks-1 \(num_chunks = 2\), got \[1, 1\]",
-         dict(order=[1, 1])),
+        (
+            ValueError,
+            r"flags must be an int32 tensor with one flag per chunk, shape \[2\] \(num_chunks = 2\), "
+            r"got torch.int32 of shape \[3\]",
+            dict(flags=torch.ones(3, dtype=torch.int32)),
+        ),
+        (
+            ValueError,
+            r"flags must be an int32 tensor .* got torch.int64 of shape \[2\]",
+            dict(flags=torch.ones(2, dtype=torch.int64)),
+        ),
+        (
+            ValueError,
+            r"flags must be on a's device cpu, got meta",
+            dict(flags=torch.ones(2, dtype=torch.int32, device="meta")),
+        ),
+        (
+            ValueError,
+            r"order must be a permutation of 0..num_chunks-1 \(num_chunks = 2\), got \[1, 1\]",
+            dict(order=[1, 1]),
+        ),
         (ValueError, r"expected must be an int in \[1, 2\*\*31 - 1\], got 0", dict(expected=0)),
         (ValueError, r"expected must be an int in \[1, 2\*\*31 - 1\], got 2147483648", dict(expected=2**31)),
         (ValueError, r"max_spins must be an int in \[0, 2\*\*31 - 1\], got -1", dict(max_spins=-1)),
         (ValueError, r"input_precision must be 'ieee' or 'tf32', got 'bf16x3'", dict(input_precision="bf16x3")),
-        (ValueError, r"out must be \[rows, N\] = \[10, 3\] of dtype torch.float32, got \[3, 10\] of torch.float32",
-         dict(out=torch.empty(3, 10))),
+        (
+            ValueError,
+            r"out must be \[rows, N\] = \[10, 3\] of dtype torch.float32, got \[3, 10\] of torch.float32",
+            dict(out=torch.empty(3, 10)),
+        ),
         (ValueError, r"out must be given with a row_map", dict(row_map=list(range(10)))),
-        (ValueError, r"row_map must hold one row of C per row of A \(M = 10\), got 9",
-         dict(row_map=list(range(9)), out=torch.empty(12, 3))),
-        (ValueError, r"row_map must hold distinct rows in \[0, out_rows = 12\)",
-         dict(row_map=[0] * 10, out=torch.empty(12, 3))),
-        (ValueError, r"row_map must hold distinct rows in \[0, out_rows = 12\)",
-         dict(row_map=list(range(3, 13)), out=torch.empty(12, 3))),
-        (TypeError, r"row_map must be int32 or int64, got torch.float32",
-         dict(row_map=torch.arange(10.0), out=torch.empty(12, 3))),
+        (
+            ValueError,
+            r"row_map must hold one row of C per row of A \(M = 10\), got 9",
+            dict(row_map=list(range(9)), out=torch.empty(12, 3)),
+        ),
+        (
+            ValueError,
+            r"row_map must hold distinct rows in \[0, out_rows = 12\)",
+            dict(row_map=[0] * 10, out=torch.empty(12, 3)),
+        ),
+        (
+            ValueError,
+            r"row_map must hold distinct rows in \[0, out_rows = 12\)",
+            dict(row_map=list(range(3, 13)), out=torch.empty(12, 3)),
+        ),
+        (
+            TypeError,
+            r"row_map must be int32 or int64, got torch.float32",
+            dict(row_map=torch.arange(10.0), out=torch.empty(12, 3)),
+        ),
         (ValueError, r"max_programs must be an int in \[1, 2\*\*31 - 1\], got 0", dict(max_programs=0)),
-        (ValueError, r"error must be an int32 tensor of one element, got torch.int32 of shape \[2\]",
-         dict(error=torch.zeros(2, dtype=torch.int32))),
+        (
+            ValueError,
+            r"error must be an int32 tensor of one element, got torch.int32 of shape \[2\]",
+            dict(error=torch.zeros(2, dtype=torch.int32)),
+        ),
     ]
     for error_type, message, override in cases:
         kwargs = dict(a=a, b=b, flags=flags, chunk_starts=starts) | override
         with pytest.raises(error_type, match=message):
-            cm.chunked_matmul(kwargs.pop("a"), kwargs.pop("b"), kwargs.pop("flags"), kwargs.pop("chunk_starts"), **kwargs)
+            cm.chunked_matmul(
+                kwargs.pop("a"), kwargs.pop("b"), kwargs.pop("flags"), kwargs.pop("chunk_starts"), **kwargs
+            )
     with pytest.raises(ValueError, match=r"MatmulConfig.block_k must be a power of two >= 16 \(tl.dot\), got 24"):
         cm.MatmulConfig(16, 16, 24)
 
@@ -251,22 +298,30 @@ def test_launch_checks_the_plan():
     plan = cm.chunk_plan([0, 4, 10], config=config, device="cpu", row_map=list(range(10, 0, -1)), out_rows=11)
     assert (plan.m, plan.out_rows, plan.num_chunks) == (10, 11, 2)
     assert plan.row_map.tolist() == list(range(10, 0, -1)) and plan.starts.tolist() == [0, 4, 10]
-    assert cm.chunk_plan([0, 4, 10], config=config, device="cpu", row_map=torch.arange(10, 0, -1),
-                         out_rows=11).row_map.tolist() == plan.row_map.tolist()
+    assert (
+        cm.chunk_plan(
+            [0, 4, 10], config=config, device="cpu", row_map=torch.arange(10, 0, -1), out_rows=11
+        ).row_map.tolist()
+        == plan.row_map.tolist()
+    )
     flags, error = torch.ones(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"a has 9 rows but the chunk layout covers M = 10"):
         cm.launch_chunked_matmul(plan, torch.ones(9, 4), torch.ones(4, 3), torch.empty(11, 3), flags, error)
     with pytest.raises(ValueError, match=r"out must be \[rows, N\] = \[11, 3\]"):
         cm.launch_chunked_matmul(plan, torch.ones(10, 4), torch.ones(4, 3), torch.empty(10, 3), flags, error)
     with pytest.raises(ValueError, match=r"the chunk plan was made for cpu, but a is on meta"):
-        cm.launch_chunked_matmul(plan, torch.ones(10, 4, device="meta"), torch.ones(4, 3), torch.empty(11, 3), flags, error)
+        cm.launch_chunked_matmul(
+            plan, torch.ones(10, 4, device="meta"), torch.ones(4, 3), torch.empty(11, 3), flags, error
+        )
     with pytest.raises(ValueError, match=r"out_rows \(11\) must equal M = 10 without a row_map"):
         cm.chunk_plan([0, 4, 10], config=config, device="cpu", out_rows=11)
 
 
 def test_loopback_rejects_non_cuda_tensors():
     cm = module()
-    with pytest.raises(ValueError, match=r"loopback_chunked_matmul needs CUDA tensors \(it uses CUDA streams\); a is on cpu"):
+    with pytest.raises(
+        ValueError, match=r"loopback_chunked_matmul needs CUDA tensors \(it uses CUDA streams\); a is on cpu"
+    ):
         cm.loopback_chunked_matmul(torch.ones(4, 4), torch.ones(4, 4), num_chunks=2)
 
 
@@ -304,12 +359,20 @@ def test_kernel_compiles_for_hopper():
     cm = module()
     kernel = cm._chunked_matmul_kernel
     # The contiguous bf16 case also writes through a row map (the fused all-gather's layout).
-    for dtype, torch_dtype, precision, contiguous in [("*bf16", torch.bfloat16, None, True),
-                                                      ("*fp32", torch.float32, "ieee", False)]:
+    for dtype, torch_dtype, precision, contiguous in [
+        ("*bf16", torch.bfloat16, None, True),
+        ("*fp32", torch.float32, "ieee", False),
+    ]:
         config = cm.default_config(torch_dtype)
         signature, constants, attrs = _signature(kernel, dtype, contiguous)
-        constants |= dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                          INPUT_PRECISION=precision, WIDEN_BF16=False, HAS_ROW_MAP=contiguous)
+        constants |= dict(
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            INPUT_PRECISION=precision,
+            WIDEN_BF16=False,
+            HAS_ROW_MAP=contiguous,
+        )
         source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
@@ -321,8 +384,11 @@ def test_kernel_compiles_for_hopper():
         assert a_loads and min(a_loads) > min(acquires), (dtype, "a tile load precedes the first flag read")
         # The spin: an acquire between a label and a branch back to that label.
         labels = {match.group(1): match.start() for match in re.finditer(r"^(\$L__\w+):", ptx, re.M)}
-        back_edges = [(labels[match.group(1)], match.start())
-                      for match in re.finditer(r"\bbra(?:\.uni)?\s+(\$L__\w+);", ptx) if match.group(1) in labels]
+        back_edges = [
+            (labels[match.group(1)], match.start())
+            for match in re.finditer(r"\bbra(?:\.uni)?\s+(\$L__\w+);", ptx)
+            if match.group(1) in labels
+        ]
         assert any(start < acquire < end for start, end in back_edges for acquire in acquires), (dtype, "no spin loop")
         if dtype == "*bf16":
             assert "wgmma.mma_async" in ptx and "cp.async" in ptx, "bf16: expected pipelined wgmma"
@@ -369,8 +435,18 @@ def test_bf16_output_rounding():
     NaN. The interpreter's own fp32 -> bf16 cast truncates, so the kernel rounds with integer ops."""
     cm = interpreted_module()
     big = torch.finfo(torch.bfloat16).max
-    columns = [(256, 1), (256, 3), (256, 2), (510, 1), (-510, -1), (big, big), (NAN, 0), (1, 2**-8), (1, 3 * 2**-8),
-               (-1, -(2**-8) - 2**-16)]
+    columns = [
+        (256, 1),
+        (256, 3),
+        (256, 2),
+        (510, 1),
+        (-510, -1),
+        (big, big),
+        (NAN, 0),
+        (1, 2**-8),
+        (1, 3 * 2**-8),
+        (-1, -(2**-8) - 2**-16),
+    ]
     b = torch.tensor(columns, dtype=torch.bfloat16).t().contiguous()
     a = torch.ones(1, 2, dtype=torch.bfloat16)
     got = cm.chunked_matmul(a, b, torch.ones(1, dtype=torch.int32), [0, 1])
@@ -423,8 +499,16 @@ def test_row_map_and_capped_grid(max_programs):
     b = small_ints((k, n), torch.bfloat16, seed=21)
     row_map = torch.randperm(out_rows, generator=torch.Generator().manual_seed(22))[:m]
     out = torch.full((out_rows, n), NAN, dtype=torch.bfloat16)
-    cm.chunked_matmul(a, b, torch.ones(4, dtype=torch.int32), [0, 10, 37, 50, 70], order=[2, 0, 3, 1], out=out,
-                      row_map=row_map, max_programs=max_programs)
+    cm.chunked_matmul(
+        a,
+        b,
+        torch.ones(4, dtype=torch.int32),
+        [0, 10, 37, 50, 70],
+        order=[2, 0, 3, 1],
+        out=out,
+        row_map=row_map,
+        max_programs=max_programs,
+    )
     expected = torch.full((out_rows, n), NAN, dtype=torch.bfloat16)
     expected[row_map] = exact_product(a, b)
     assert_bitwise_equal(out, expected, f"row map, max_programs {max_programs}")
@@ -458,8 +542,9 @@ def test_epochs_and_stale_flags():
     b = small_ints((k, n), torch.float32, seed=7)
     starts = [0, 10, 37, 50, 70]
     exact = exact_product(a, b)
-    assert_bitwise_equal(cm.chunked_matmul(a, b, torch.tensor([5, 5, 6, 9], dtype=torch.int32), starts, expected=5),
-                         exact, "epoch 5")
+    assert_bitwise_equal(
+        cm.chunked_matmul(a, b, torch.tensor([5, 5, 6, 9], dtype=torch.int32), starts, expected=5), exact, "epoch 5"
+    )
     flags = torch.tensor([5, 4, 5, 5], dtype=torch.int32)
     error = torch.zeros(1, dtype=torch.int32)
     out = torch.full((m, n), NAN)
@@ -506,13 +591,19 @@ def test_lost_chunk_times_out(lost):
 def test_empty_dims_and_zero_spins():
     cm = interpreted_module()
     one = torch.ones(1, dtype=torch.int32)
-    assert cm.chunked_matmul(torch.ones(0, 5), torch.ones(5, 3), torch.ones(2, dtype=torch.int32), [0, 0, 0]).shape == (0, 3)
+    assert cm.chunked_matmul(torch.ones(0, 5), torch.ones(5, 3), torch.ones(2, dtype=torch.int32), [0, 0, 0]).shape == (
+        0,
+        3,
+    )
     assert cm.chunked_matmul(torch.ones(4, 5), torch.ones(5, 0), one, [0, 4]).shape == (4, 0)
     got = cm.chunked_matmul(torch.ones(4, 0), torch.ones(0, 3), one, [0, 4], out=torch.full((4, 3), NAN))
     assert_bitwise_equal(got, torch.zeros(4, 3), "K = 0")
     a, b = small_ints((20, 6), torch.float32, 10), small_ints((6, 4), torch.float32, 11)
-    assert_bitwise_equal(cm.chunked_matmul(a, b, torch.ones(2, dtype=torch.int32), torch.tensor([0, 9, 20]), max_spins=0),
-                         exact_product(a, b), "max_spins=0, flags set")
+    assert_bitwise_equal(
+        cm.chunked_matmul(a, b, torch.ones(2, dtype=torch.int32), torch.tensor([0, 9, 20]), max_spins=0),
+        exact_product(a, b),
+        "max_spins=0, flags set",
+    )
 
 
 @needs_interpreter

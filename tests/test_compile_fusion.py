@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from rank_pool import on_ranks
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 
 import fastmesh.compile
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
-from rank_pool import on_ranks
 
 # The fused ops sum in a different order than the unfused graph (pieces; one matmul for a sum of matmuls):
 # measured differences ~1e-6 on outputs and gradients of order 1; a wrong block or a lost term is O(1) off.
@@ -49,14 +49,19 @@ class _GraphCensus:
         self.graphs = []
 
     def __call__(self, graph):
-        kind = "backward" if any(n.name.startswith("tangents") for n in graph.nodes if n.op == "placeholder") \
+        kind = (
+            "backward"
+            if any(n.name.startswith("tangents") for n in graph.nodes if n.op == "placeholder")
             else "forward"
+        )
         ops = [(_FUSED_OPS[n.target], n) for n in graph.nodes if n.target in _FUSED_OPS]
-        self.graphs.append({
-            "kind": kind,
-            "ops": sorted(name for name, _ in ops),
-            "gather_bs": sorted(len(n.args[1]) for name, n in ops if name == "all_gather_matmul"),
-        })
+        self.graphs.append(
+            {
+                "kind": kind,
+                "ops": sorted(name for name, _ in ops),
+                "gather_bs": sorted(len(n.args[1]) for name, n in ops if name == "all_gather_matmul"),
+            }
+        )
 
 
 @contextlib.contextmanager
@@ -91,6 +96,7 @@ def _randn(shape, seed):
 
 # ---- torch's native plan on a Llama block ----
 
+
 def _block_step(block, fn, x, world):
     x = x.chunk(world, 1)[dist.get_rank()].clone().requires_grad_()
     y = fn(x)
@@ -113,6 +119,7 @@ def test_native_block_compiles_to_fused_ops_with_equal_results():
     lengths = (8, 12)
 
     for checkpointed in (False, True):
+
         def run(x):
             rope = rope_tables(x.shape[1] * world, args.head_dim, args.rope_theta)
             return checkpoint(block, x, rope, use_reentrant=False) if checkpointed else block(x, rope)
@@ -131,7 +138,9 @@ def test_native_block_compiles_to_fused_ops_with_equal_results():
             torch.testing.assert_close(y, y_ref, **TOLERANCE, msg=lambda m: f"{case}: output: {m}")
             torch.testing.assert_close(gx, gx_ref, **TOLERANCE, msg=lambda m: f"{case}: grad x: {m}")
             for name in grads_ref:
-                torch.testing.assert_close(grads[name], grads_ref[name], **TOLERANCE, msg=lambda m: f"{case}: {name}: {m}")
+                torch.testing.assert_close(
+                    grads[name], grads_ref[name], **TOLERANCE, msg=lambda m: f"{case}: {name}: {m}"
+                )
 
         # One forward and one backward graph for both lengths (dynamic: no recompile).
         assert [g["kind"] for g in census.graphs] == ["forward", "backward"], (case, census.graphs)
@@ -144,8 +153,10 @@ def test_native_block_compiles_to_fused_ops_with_equal_results():
         # w1/w3 (sums of matmuls) reduce-scattered. Checkpointing recomputes both input gathers and the
         # attention's output projection (the FFN's w2 output is not needed to recompute anything).
         recomputed = ["all_gather_matmul"] * 2 + ["matmul_reduce_scatter"] if checkpointed else []
-        assert backward["ops"] == sorted(["all_gather_matmul"] * 2 + ["matmul_reduce_scatter"] * 2 + recomputed), \
-            (case, backward)
+        assert backward["ops"] == sorted(["all_gather_matmul"] * 2 + ["matmul_reduce_scatter"] * 2 + recomputed), (
+            case,
+            backward,
+        )
         assert all(e.fused for e in report.entries), (case, str(report))
         assert report.count("fastmesh.matmul_reduce_scatter", "backward") == 2 + checkpointed, (case, str(report))
 
@@ -190,6 +201,7 @@ def test_whole_native_llama_compiles_to_fused_ops_except_the_embedding():
 
 
 # ---- each pattern alone ----
+
 
 def _world():
     return dist.group.WORLD
@@ -279,8 +291,9 @@ def _gather_fp8(data, dim):
 
 def _fp8_gather_rowwise(x, w, b):
     data, scale = _quantize_rows(x)
-    return torch._scaled_mm(_gather_fp8(data, 0), *_weight_fp8(w)[:1], _gather(scale, 0), _weight_fp8(w)[1],
-                            out_dtype=torch.float32)
+    return torch._scaled_mm(
+        _gather_fp8(data, 0), *_weight_fp8(w)[:1], _gather(scale, 0), _weight_fp8(w)[1], out_dtype=torch.float32
+    )
 
 
 def _fp8_gather_rowwise_dim1(x, w, b):
@@ -323,8 +336,11 @@ PATTERNS = {
     # An FP8 row-wise gather carries its scales' gather: two collectives, one fused op.
     "fp8_gather_rowwise": (_fp8_gather_rowwise, ["fastmesh.all_gather_scaled_matmul"] * 2, 1),
     "fp8_gather_rowwise_dim1": (_fp8_gather_rowwise_dim1, ["fastmesh.all_gather_scaled_matmul"] * 2, 1),
-    "fp8_gather_tensorwise_reduced_amax": (_fp8_gather_tensorwise_reduced_amax,
-                                           ["fastmesh.all_gather_scaled_matmul"], 1),
+    "fp8_gather_tensorwise_reduced_amax": (
+        _fp8_gather_tensorwise_reduced_amax,
+        ["fastmesh.all_gather_scaled_matmul"],
+        1,
+    ),
     "fp8_scatter_rowwise": (_fp8_scatter_rowwise, ["fastmesh.scaled_matmul_reduce_scatter"], 1),
     "fp8_scatter_tensorwise": (_fp8_scatter_tensorwise, ["fastmesh.scaled_matmul_reduce_scatter"], 1),
 }
@@ -339,8 +355,9 @@ def _inputs():
 
 def _pattern_params():
     # Skipped here: the ranks run the test body, and a skip raised there would be a rank's failure.
-    no_rowwise = pytest.mark.skipif(not ROWWISE_ON_CPU,
-                                    reason=f"torch {torch.__version__}'s CPU _scaled_mm takes tensor-wise scales only")
+    no_rowwise = pytest.mark.skipif(
+        not ROWWISE_ON_CPU, reason=f"torch {torch.__version__}'s CPU _scaled_mm takes tensor-wise scales only"
+    )
     return [pytest.param(name, marks=no_rowwise if name in ROWWISE_PATTERNS else ()) for name in sorted(PATTERNS)]
 
 
@@ -411,8 +428,13 @@ def _fp8_weight_inputs():
 UNFUSABLE = {
     # Unfused, this one stops in inductor's CPU lowering of _scaled_mm ("mat_b must be col_major" for a
     # column-major input, torch 2.14), after the pass.
-    "fp8_gather_tensorwise_local_scale": (_fp8_gather_tensorwise_local_scale, "all_gather", "not provably the same",
-                                          _fp8_weight_inputs, False),
+    "fp8_gather_tensorwise_local_scale": (
+        _fp8_gather_tensorwise_local_scale,
+        "all_gather",
+        "not provably the same",
+        _fp8_weight_inputs,
+        False,
+    ),
     "gather_then_relu": (_gather_then_relu, "all_gather", "feeds no matmul", _inputs, True),
     "scatter_product_used_twice": (_scatter_product_used_twice, "reduce_scatter", "other users", _inputs, True),
     "scatter_after_bias": (_scatter_after_bias, "reduce_scatter", "addmm", _inputs, True),
@@ -460,6 +482,7 @@ def test_unfusable_patterns_are_reported_and_strict_raises(name):
 
 # ---- collectives whose plan is the unfused sequence are left, as not profitable ----
 
+
 @on_ranks(2, timeout=300)
 def test_unprofitable_collectives_are_left_and_strict_accepts_them():
     """With the planner on (the default mode), the tiny shapes of these graphs are latency-bound: the op's
@@ -478,8 +501,10 @@ def test_unprofitable_collectives_are_left_and_strict_accepts_them():
             torch.testing.assert_close(g, w, **TOLERANCE)
         [entry] = report.entries
         assert not entry.fused and entry.unprofitable, str(report)
-        assert "not profitable: fastmesh::all_gather_matmul's plan for these shapes is unfused (model: " \
-            in entry.detail and "left (not profitable)" in str(report), str(report)
+        assert (
+            "not profitable: fastmesh::all_gather_matmul's plan for these shapes is unfused (model: " in entry.detail
+            and "left (not profitable)" in str(report)
+        ), str(report)
 
         x, w, _ = inputs  # the fused call's operands: the [2, 3, 10] shard gathered along dim 1, by w and 2w
         call = gather_plan_call(x.reshape(2, -1, x.shape[-1]), [w, 2 * w], 1, fastmesh.group_name(dist.group.WORLD))
@@ -493,6 +518,7 @@ def test_unprofitable_collectives_are_left_and_strict_accepts_them():
 
 
 # ---- torch's own async TP pass enabled too ----
+
 
 @on_ranks(2, timeout=300)
 def test_torch_micro_pipeline_tp_runs_first_and_fastmesh_fuses_what_it_leaves():
@@ -524,6 +550,7 @@ def test_ops_fused_by_torch_are_reported_as_torchs():
 
 
 # ---- installing the pass ----
+
 
 def test_enable_and_disable_keep_the_pass_installed_before():
     def user_pass(graph):

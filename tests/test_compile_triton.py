@@ -61,6 +61,7 @@ QUANTIZED_BACKWARD = 2 * 4
 
 # ---- the autograd engine's loop, in Python ----
 
+
 def grad_in_python(outputs, inputs, grad_outputs=None, allow_unused=None, **unused):
     """``torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=...)`` without the C++ engine.
 
@@ -125,8 +126,11 @@ def grad_in_python(outputs, inputs, grad_outputs=None, allow_unused=None, **unus
                     pending[n] = pending.get(n, 0) + 1
 
     order = itertools.count()
-    ready = [(-node._sequence_nr(), next(order), node) for node in dict.fromkeys(roots)
-             if node in wanted and not pending.get(node)]
+    ready = [
+        (-node._sequence_nr(), next(order), node)
+        for node in dict.fromkeys(roots)
+        if node in wanted and not pending.get(node)
+    ]
     heapq.heapify(ready)
     while ready:
         node = heapq.heappop(ready)[2]
@@ -184,7 +188,7 @@ def test_grad_in_python_matches_the_engine():
             ctx.save_for_backward(a, b)
             ctx.factor = factor
             ctx.set_materialize_grads(False)
-            return a * b * factor + c + bias, (a ** power).sum(-1)
+            return a * b * factor + c + bias, (a**power).sum(-1)
 
         @staticmethod
         def backward(ctx, grad, grad_unused):
@@ -212,10 +216,13 @@ def test_grad_in_python_matches_the_engine():
 
 # ---- the traced block (in a subprocess) ----
 
+
 def _skip_reason() -> str | None:
     if torch.version.cuda is None:
-        return ("needs a CUDA build of torch: the op takes its Triton branch on CUDA tensors (fake ones here), "
-                f"and torch {torch.__version__} has no CUDA")
+        return (
+            "needs a CUDA build of torch: the op takes its Triton branch on CUDA tensors (fake ones here), "
+            f"and torch {torch.__version__} has no CUDA"
+        )
     if importlib.util.find_spec("triton") is None:
         return "needs triton: the CUDA branch of fastmesh::fp8_quantize wraps Triton kernels"
     if not torch.distributed.is_available():
@@ -320,8 +327,9 @@ def traced(tmp_path_factory):
         pytest.skip(reason)
     out_path = tmp_path_factory.mktemp("compile_triton") / "graphs.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", FASTMESH_FP8_CUDA_IMPL="triton")
-    proc = subprocess.run([sys.executable, __file__, str(out_path)], capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out_path)], capture_output=True, text=True, env=env, timeout=600
+    )
     if proc.returncode != 0:
         pytest.fail(f"tracing subprocess failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out_path.read_text())

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from fastmesh.kernels import fp8_reference as ref
+from rank_pool import on_ranks
 
 import fastmesh
-from fastmesh.kernels import fp8_reference as ref
 from fastmesh.ops.fp8 import fp8_quantize
-from rank_pool import on_ranks
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = (E4M3, E5M2)
@@ -59,8 +59,10 @@ def assert_quantized_equal(actual, expected):
             same = (a == e) | (torch.isnan(a) & torch.isnan(e))
         if not bool(same.all()):
             bad = (~same).nonzero()[:5].tolist()
-            raise AssertionError(f"{name}: {int((~same).sum())} of {a.numel()} differ, e.g. at {bad}: "
-                                 f"{[a[tuple(i)].item() for i in bad]} vs {[e[tuple(i)].item() for i in bad]}")
+            raise AssertionError(
+                f"{name}: {int((~same).sum())} of {a.numel()} differ, e.g. at {bad}: "
+                f"{[a[tuple(i)].item() for i in bad]} vs {[e[tuple(i)].item() for i in bad]}"
+            )
 
 
 def quantize_both(x, dtype, granularity, scale=None, amax=None, transpose=False, power_of_two=False):
@@ -125,7 +127,7 @@ def test_rounding_ties_and_exact_values(dtype):
     result, expected = quantize_both(x, dtype, "tensorwise", scale=one)
     assert_quantized_equal(result, expected)
     # Independent of the reference: ties go to the even code.
-    codes = result.data.view(torch.uint8)[0, len(grid):len(grid) + len(midpoints)].int()
+    codes = result.data.view(torch.uint8)[0, len(grid) : len(grid) + len(midpoints)].int()
     assert bool((codes % 2 == 0).all())
 
 
@@ -135,14 +137,14 @@ def test_adversarial_values(granularity, dtype):
     inf, nan = float("inf"), float("nan")
     tiny = torch.finfo(torch.float32).tiny
     rows = [
-        torch.zeros(260),                                              # all zeros: scale stays finite (1)
+        torch.zeros(260),  # all zeros: scale stays finite (1)
         torch.full((260,), 1e-3).index_fill(0, torch.tensor([5]), 3e38),  # one huge value
         torch.linspace(-4, 4, 260).index_fill(0, torch.tensor([7]), inf),  # +inf
         torch.linspace(-4, 4, 260).index_fill(0, torch.tensor([9]), -inf),  # -inf
         torch.linspace(-4, 4, 260).index_fill(0, torch.tensor([11]), nan),  # NaN
         torch.full((260,), tiny / 8).index_fill(0, torch.tensor([1]), -tiny / 3),  # fp32 subnormals only
-        torch.exp2(torch.arange(-149, 111).float()),                   # powers of two, subnormal to huge
-        torch.arange(260).float() * 0.5 + 0.25,                        # many ties after scaling
+        torch.exp2(torch.arange(-149, 111).float()),  # powers of two, subnormal to huge
+        torch.arange(260).float() * 0.5 + 0.25,  # many ties after scaling
     ]
     x = torch.stack(rows)
     for transpose, mode in itertools.product((False, True), ("current", "scale")):
@@ -155,11 +157,11 @@ def test_adversarial_values(granularity, dtype):
         assert_quantized_equal(result, expected)
     if granularity == "rowwise":
         current = fastmesh.fp8.quantize(x, dtype=dtype, granularity="rowwise")
-        assert current.scale[0].item() == 1.0 and current.amax[0].item() == 0.0   # zeros: finite scale
-        assert math.isinf(current.scale[2].item())                                # inf amax: inf scale
-        assert math.isnan(current.scale[4].item())                                # NaN poisons its group
+        assert current.scale[0].item() == 1.0 and current.amax[0].item() == 0.0  # zeros: finite scale
+        assert math.isinf(current.scale[2].item())  # inf amax: inf scale
+        assert math.isnan(current.scale[4].item())  # NaN poisons its group
         assert bool(torch.isnan(current.data[4].float()).all())
-        assert 0 < current.scale[5].item() < tiny                                 # FLT_MAX clamp, finite
+        assert 0 < current.scale[5].item() < tiny  # FLT_MAX clamp, finite
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -251,7 +253,11 @@ def test_amax_per_group_matches_reference():
 # --- errors --------------------------------------------------------------------------------------
 
 BAD_INPUTS = [
-    (dict(x=torch.zeros(4, 4, dtype=torch.int32)), TypeError, r"x must be float32, bfloat16 or float16, got torch.int32"),
+    (
+        dict(x=torch.zeros(4, 4, dtype=torch.int32)),
+        TypeError,
+        r"x must be float32, bfloat16 or float16, got torch.int32",
+    ),
     (dict(x=torch.zeros(4, 4, dtype=torch.bool)), TypeError, r"x must be float32, bfloat16 or float16, got torch.bool"),
     (dict(x=torch.zeros(4, 4, dtype=torch.complex64)), TypeError, r"x must be float32.*got torch.complex64"),
     (dict(x=torch.zeros(4, 4).to(E4M3)), TypeError, r"x must be float32.*got torch.float8_e4m3fn"),
@@ -276,8 +282,15 @@ def test_errors(overrides, error, message):
         fastmesh.fp8.quantize(x, **args)
     # Direct op calls get the same checks (the op body validates before any kernel runs).
     with pytest.raises(error, match=message):
-        torch.ops.fastmesh.fp8_quantize(x, args["dtype"], args["granularity"], args.get("scale"), None,
-                                        args.get("transpose", False), args.get("power_of_two", False))
+        torch.ops.fastmesh.fp8_quantize(
+            x,
+            args["dtype"],
+            args["granularity"],
+            args.get("scale"),
+            None,
+            args.get("transpose", False),
+            args.get("power_of_two", False),
+        )
 
 
 def test_native_kernel_checks_bypassing_python():
@@ -300,6 +313,7 @@ def test_amax_group_rejections():
 
 
 # --- amax_group on several ranks -----------------------------------------------------------------
+
 
 @on_ranks(2, 4)
 def test_amax_group_gives_unsharded_scales():

@@ -2,30 +2,41 @@
 
 import pytest
 import torch
+from fastmesh.kernels import fp8_reference as ref
 
 import fastmesh
 from fastmesh.fp8 import DelayedScaling, Float8Config
-from fastmesh.kernels import fp8_reference as ref
 
 
 def test_config_defaults_and_frozen():
     config = Float8Config()
     assert (config.dtype, config.grad_dtype, config.granularity, config.scaling) == (
-        torch.float8_e4m3fn, torch.float8_e5m2, "tensorwise", "current")
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        "tensorwise",
+        "current",
+    )
     with pytest.raises(AttributeError):
         config.granularity = "rowwise"
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    (dict(dtype=torch.bfloat16), TypeError, r"dtype must be torch.float8_e4m3fn or torch.float8_e5m2"),
-    (dict(grad_dtype=torch.float16), TypeError, r"grad_dtype must be"),
-    (dict(granularity="colwise"), ValueError, r"granularity must be one of"),
-    (dict(scaling="dynamic"), ValueError, r"scaling must be one of \('current', 'delayed'\)"),
-    (dict(scaling="delayed", granularity="rowwise"), ValueError, r"delayed scaling .* needs granularity='tensorwise'"),
-    (dict(history_len=0), ValueError, r"history_len must be an int >= 1, got 0"),
-    (dict(amax_compute="mean"), ValueError, r"amax_compute must be one of"),
-    (dict(margin=-1), ValueError, r"margin must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(dtype=torch.bfloat16), TypeError, r"dtype must be torch.float8_e4m3fn or torch.float8_e5m2"),
+        (dict(grad_dtype=torch.float16), TypeError, r"grad_dtype must be"),
+        (dict(granularity="colwise"), ValueError, r"granularity must be one of"),
+        (dict(scaling="dynamic"), ValueError, r"scaling must be one of \('current', 'delayed'\)"),
+        (
+            dict(scaling="delayed", granularity="rowwise"),
+            ValueError,
+            r"delayed scaling .* needs granularity='tensorwise'",
+        ),
+        (dict(history_len=0), ValueError, r"history_len must be an int >= 1, got 0"),
+        (dict(amax_compute="mean"), ValueError, r"amax_compute must be one of"),
+        (dict(margin=-1), ValueError, r"margin must be an int >= 0"),
+    ],
+)
 def test_config_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
         Float8Config(**kwargs)

@@ -63,7 +63,6 @@ import sys
 
 import pytest
 import torch
-
 from triton_interpreter import INTERPRETED, ROOT, run_module_under_interpreter
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -112,7 +111,11 @@ def test_kernels_compile_for_hopper():
     for fp8, fp8_max, constants in [
         ("*fp8e4nv", 448.0, dict(GRANULARITY=0, SOURCE=0, TRANSPOSE=True, POWER_OF_TWO=False, BLOCK_M=64, BLOCK_K=64)),
         ("*fp8e5", 57344.0, dict(GRANULARITY=3, SOURCE=1, TRANSPOSE=True, POWER_OF_TWO=True, BLOCK_M=128, BLOCK_K=128)),
-        ("*fp8e4nv", 448.0, dict(GRANULARITY=2, SOURCE=2, TRANSPOSE=False, POWER_OF_TWO=False, BLOCK_M=32, BLOCK_K=128)),
+        (
+            "*fp8e4nv",
+            448.0,
+            dict(GRANULARITY=2, SOURCE=2, TRANSPOSE=False, POWER_OF_TWO=False, BLOCK_M=32, BLOCK_K=128),
+        ),
     ]:
         constants["FP8_MAX"] = fp8_max
         signature = {}
@@ -260,10 +263,18 @@ def conversion_sweep(dtype: torch.dtype) -> torch.Tensor:
     codes = torch.arange(0, 0x80, dtype=torch.uint8).view(dtype).float()
     codes = codes[torch.isfinite(codes) & (codes <= limit)].unique()
     mids = (codes[1:] + codes[:-1]) / 2
-    around = torch.cat([codes, mids, torch.nextafter(mids, torch.zeros_like(mids)),
-                        torch.nextafter(mids, torch.full_like(mids, math.inf))])
+    around = torch.cat(
+        [
+            codes,
+            mids,
+            torch.nextafter(mids, torch.zeros_like(mids)),
+            torch.nextafter(mids, torch.full_like(mids, math.inf)),
+        ]
+    )
     generator = torch.Generator().manual_seed(0)
-    random = torch.randn(20000, generator=generator) * torch.exp2(torch.randint(-20, 16, (20000,), generator=generator).float())
+    random = torch.randn(20000, generator=generator) * torch.exp2(
+        torch.randint(-20, 16, (20000,), generator=generator).float()
+    )
     tiny = torch.tensor([1e-40, 3e-39, 1.1e-38, 1.4e-45, 126.5, 124.0, 1.0625, 2.125, 0.0, 0.0009863281])
     values = torch.cat([around, random.clamp(-limit, limit), tiny, torch.tensor([math.nan])])
     return torch.cat([values, -values])
@@ -315,9 +326,8 @@ def check_fp8(actual: torch.Tensor, values: torch.Tensor, expected: torch.Tensor
     known = torch.zeros_like(off)
     for category in CATEGORIES:
         known |= classes[category]
-    assert not (off & ~known).any(), (
-        f"{what}: differences outside the interpreter's known defects at {(off & ~known).nonzero()[:6].flatten().tolist()}"
-    )
+    unknown = (off & ~known).nonzero()[:6].flatten().tolist()
+    assert not unknown, f"{what}: differences outside the interpreter's known defects at {unknown}"
     carry, tie = off & classes["carry"], off & classes["tie"] & ~classes["carry"]
     # carry: RNE's power of two with the exponent not incremented, i.e. one exponent step (2^mw codes) lower.
     assert bool((a[carry] == e[carry] - (1 << mw)).all()) and bool(((e[carry] & ((1 << mw) - 1)) == 0).all()), what
@@ -345,15 +355,20 @@ def reference_values(x, dtype, granularity, scale=None, amax=None, power_of_two=
     if scale is not None:
         q = torch.reciprocal(scale.float())
     else:
-        q = ref.quant_scale_from_amax(ref.group_amax(x, granularity) if amax is None else amax.float(), dtype,
-                                      power_of_two)
+        q = ref.quant_scale_from_amax(
+            ref.group_amax(x, granularity) if amax is None else amax.float(), dtype, power_of_two
+        )
     limit = FP8_MAX[dtype]
     return (x2.float() * ref._expand(q, granularity, rows, cols)).clamp(-limit, limit)
 
 
 def assert_f32_equal(actual, expected, what):
-    assert actual.dtype == torch.float32 and actual.shape == expected.shape, (what, actual.dtype, actual.shape,
-                                                                                expected.shape)
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape, (
+        what,
+        actual.dtype,
+        actual.shape,
+        expected.shape,
+    )
     same = (actual.view(torch.int32) == expected.view(torch.int32)) | (actual.isnan() & expected.isnan())
     if not bool(same.all()):
         index = (~same).nonzero()[:4].tolist()
@@ -404,8 +419,26 @@ def adversarial(shape, dtype, seed, huge=True):
     x = wide_random(shape, torch.float32, generator)
     info = torch.finfo(dtype)
     subnormal = info.smallest_normal * info.eps  # the dtype's smallest subnormal
-    specials = torch.tensor([0.0, -0.0, subnormal, -subnormal * 5, info.smallest_normal / 2, info.smallest_normal,
-                             2.0**-20, 2.0**14, -1.0, 0.5, 1.0625, -2.125, 126.5, 124.0, 3 * 2.0**-10, 1e-40])
+    specials = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            subnormal,
+            -subnormal * 5,
+            info.smallest_normal / 2,
+            info.smallest_normal,
+            2.0**-20,
+            2.0**14,
+            -1.0,
+            0.5,
+            1.0625,
+            -2.125,
+            126.5,
+            124.0,
+            3 * 2.0**-10,
+            1e-40,
+        ]
+    )
     flat = x.view(-1)
     count = min(flat.numel() // 4, 400)
     where = torch.randperm(flat.numel(), generator=generator)[:count]
@@ -477,8 +510,10 @@ def test_interpreter_conversion(dtype):
     known = functools.reduce(torch.logical_or, classes.values())
     assert not (off & ~known).any(), v[off & ~known][:8].tolist()
     differ = {category: int((~bits_equal(got, exact) & mask).sum()) for category, mask in classes.items()}
-    print(f"interpreter fp32 -> {fp8_name(dtype)}: {name}; {len(v)} sweep values, differing from RNE by class "
-          f"(of the class's size): " + ", ".join(f"{c} {differ[c]}/{int(classes[c].sum())}" for c in CATEGORIES))
+    print(
+        f"interpreter fp32 -> {fp8_name(dtype)}: {name}; {len(v)} sweep values, differing from RNE by class "
+        f"(of the class's size): " + ", ".join(f"{c} {differ[c]}/{int(classes[c].sum())}" for c in CATEGORIES)
+    )
     if name == "model":
         # Classes the model defines as always wrong are wrong for every member.
         assert differ["carry"] == int(classes["carry"].sum()) > 0
@@ -538,8 +573,11 @@ def test_power_of_two(granularity, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (1, 127), (3, 128), (3, 129), (130, 1), (1, 257), (2, 3, 129),
-                                   (3, 4100), (257,), ()], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1), (3, 1), (1, 127), (3, 128), (3, 129), (130, 1), (1, 257), (2, 3, 129), (3, 4100), (257,), ()],
+    ids=str,
+)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_odd_shapes(granularity, shape):
     """1, 127, 128, 129, 257 columns; 1, 3, 130 rows; 3-D, 1-D, 0-D; rows longer than one block."""
@@ -580,9 +618,11 @@ def test_empty(granularity, shape):
     layout = ref.scale_shape(shape, granularity)
     layout_t = ref.scale_shape((cols, rows), granularity)
     given = torch.full(layout, 0.375)
-    for kwargs, amax, scale in [({}, torch.zeros(layout), torch.ones(layout)),
-                                ({"scale": given}, torch.zeros(layout), given),
-                                ({"amax": given}, given, torch.full(layout, 0.375 / 448))]:
+    for kwargs, amax, scale in [
+        ({}, torch.zeros(layout), torch.ones(layout)),
+        ({"scale": given}, torch.zeros(layout), given),
+        ({"amax": given}, given, torch.full(layout, 0.375 / 448)),
+    ]:
         got = fq.quantize(x, E4M3, granularity, **kwargs)
         assert got.data.shape == shape and got.data.dtype == E4M3
         assert_f32_equal(got.scale, scale, f"{granularity} {shape} {list(kwargs)}: scale")
@@ -680,5 +720,7 @@ def test_defects_were_met():
     if not MET:
         pytest.skip("no kernel test ran before this one (selection or ordering)")
     for dtype, counts in sorted(MET.items()):
-        print(f"kernel tests, {dtype}: {counts['elements']} fp8 outputs compared; differing from the reference "
-              f"only by interpreter defects: " + ", ".join(f"{c} {counts[c]}" for c in CATEGORIES))
+        print(
+            f"kernel tests, {dtype}: {counts['elements']} fp8 outputs compared; differing from the reference "
+            f"only by interpreter defects: " + ", ".join(f"{c} {counts[c]}" for c in CATEGORIES)
+        )

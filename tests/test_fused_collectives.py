@@ -16,12 +16,12 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from comm_counts import c10d_calls, p2p_pieces
+from fastmesh.kernels import fused_reference as ref
+from rank_pool import on_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
 import fastmesh
-from fastmesh.kernels import fused_reference as ref
-from comm_counts import c10d_calls, p2p_pieces
-from rank_pool import on_ranks
 
 WORLD = "WORLD"  # placeholder: ranks resolve it to the default group's name
 
@@ -67,8 +67,10 @@ def _check_gather_case(rank, world, dtype, make, rows, k, gather_dim, nbs, retur
     a_shard = make(shape, dtype, seed=100 + rank)
     k_full = k * world if gather_dim % 3 == 2 else k
     # Odd-numbered bs as transposed views (b = w.t() of a row-major w), the usual way weights arrive.
-    bs = [make((k_full, 5 + 4 * i), dtype, seed=7 + i) if i % 2 == 0 else make((5 + 4 * i, k_full), dtype, seed=7 + i).t()
-          for i in range(nbs)]
+    bs = [
+        make((k_full, 5 + 4 * i), dtype, seed=7 + i) if i % 2 == 0 else make((5 + 4 * i, k_full), dtype, seed=7 + i).t()
+        for i in range(nbs)
+    ]
     got_a, got = fastmesh.all_gather_matmul(a_shard, bs, gather_dim, return_a=return_a, chunks=chunks or None)
     want_a, want = ref.all_gather_matmul(a_shard, bs, gather_dim, _world_name(), return_a=return_a)
     case = f"shard {shape}, gather_dim {gather_dim}, {nbs} bs, return_a {return_a}, chunks {chunks}"
@@ -98,7 +100,9 @@ def test_all_gather_matmul_small_integers_bit_exact(world_size):
     for dtype in (torch.float32, torch.bfloat16):
         for case in _gather_cases(world_size):
             # |values| <= 1 keeps every partial sum within bf16's exact integers (K_full <= 168 here).
-            _check_gather_case(rank, world_size, dtype, lambda s, d, seed: small_ints(s, d, seed, -1, 2), *case, exact=True)
+            _check_gather_case(
+                rank, world_size, dtype, lambda s, d, seed: small_ints(s, d, seed, -1, 2), *case, exact=True
+            )
 
 
 @on_ranks(2, 4)
@@ -132,7 +136,9 @@ def test_one_dim_and_empty_inputs():
     _, (got,) = fastmesh.all_gather_matmul(vector, [b], 0)
     assert torch.equal(got, ref.all_gather_matmul(vector, [b], 0, name)[1][0])
     got = fastmesh.matmul_reduce_scatter(vector, small_ints((6, 4), torch.float32, seed=2 + rank), 0)
-    assert torch.equal(got, ref.matmul_reduce_scatter(vector, small_ints((6, 4), torch.float32, seed=2 + rank), 0, "sum", name))
+    assert torch.equal(
+        got, ref.matmul_reduce_scatter(vector, small_ints((6, 4), torch.float32, seed=2 + rank), 0, "sum", name)
+    )
     for shard in (torch.empty(0, 6), torch.empty(3, 0)):
         bs = [torch.ones(shard.shape[1], 4)]
         a, (got,) = fastmesh.all_gather_matmul(shard, bs, 0, return_a=True)
@@ -152,10 +158,13 @@ def _random_gather_call(r, rank, world):
     dim = r.randrange(-ndim, ndim)
     k = shape[-1] * (world if dim % ndim == ndim - 1 else 1)
     bs = []
-    for i in range(r.randint(1, 3)):
+    for _ in range(r.randint(1, 3)):
         n = r.randint(0, 6)
-        bs.append(small_ints((n, k), torch.float64, seed=r.randrange(10**6)).t() if r.random() < 0.5
-                  else small_ints((k, n), torch.float64, seed=r.randrange(10**6)))
+        bs.append(
+            small_ints((n, k), torch.float64, seed=r.randrange(10**6)).t()
+            if r.random() < 0.5
+            else small_ints((k, n), torch.float64, seed=r.randrange(10**6))
+        )
     a = small_ints(shape, torch.float64, seed=r.randrange(10**6) + rank)
     return a, bs, dim, r.random() < 0.5, r.choice([None, 1, 2, 3, 7])
 
@@ -172,7 +181,13 @@ def _random_scatter_call(r, rank, world):
         shape[dim % ndim] *= world
     a = small_ints(shape, torch.float64, seed=r.randrange(10**6) + rank)
     b = small_ints((shape[-1], n), torch.float64, seed=r.randrange(10**6) + rank)
-    return a, (b.t().contiguous().t() if r.random() < 0.5 else b), dim, r.choice(["sum", "avg"]), r.choice([None, 1, 2, 5])
+    return (
+        a,
+        (b.t().contiguous().t() if r.random() < 0.5 else b),
+        dim,
+        r.choice(["sum", "avg"]),
+        r.choice([None, 1, 2, 5]),
+    )
 
 
 @on_ranks(2, 4)
@@ -270,7 +285,9 @@ def test_matmul_reduce_scatter_small_integers_bit_exact(world_size):
     for dtype in (torch.float32, torch.bfloat16):
         for case in _scatter_cases(world_size):
             # avg divides by the world size: exact for a power of two.
-            _check_scatter_case(rank, world_size, dtype, lambda s, d, seed: small_ints(s, d, seed, -1, 2), *case, exact=True)
+            _check_scatter_case(
+                rank, world_size, dtype, lambda s, d, seed: small_ints(s, d, seed, -1, 2), *case, exact=True
+            )
 
 
 @on_ranks(2, 4)
@@ -283,6 +300,7 @@ def test_matmul_reduce_scatter_random_within_baseline_error(world_size):
 
 
 # ---- autograd ----
+
 
 def _grad_case_all_gather(rank, gather_dim, nbs, return_a, use_a, dtype=torch.float64):
     """Gradients of the fused op and of the reference, from the same upstream gradients."""
@@ -347,6 +365,7 @@ def test_matmul_reduce_scatter_gradients_match_reference():
 
 # ---- communication pattern ----
 
+
 def _check_shapes_once():
     """Runs both ops once on the world group, so that their first-call shape check is behind us."""
     fastmesh.all_gather_matmul(torch.randn(2, 4), [torch.randn(4, 2)], 0)
@@ -382,6 +401,7 @@ def test_reduce_scatter_backward_is_one_pipelined_gather(world_size):
 
 
 # ---- opcheck, compile ----
+
 
 @on_ranks(2)
 def test_opcheck():
@@ -423,6 +443,7 @@ def test_compile_fullgraph_matches_eager():
 
 # ---- world of one, DTensor ----
 
+
 @on_ranks(2)
 def test_group_of_one_is_a_plain_matmul():
     rank = dist.get_rank()
@@ -445,7 +466,7 @@ def _tp_mesh():
 def test_dtensor_inputs_give_dtensor_outputs():
     mesh = _tp_mesh()
     world = dist.get_world_size()
-    x = randn((2, 4 * world, 6), torch.float32, seed=0)          # the same global tensor on every rank
+    x = randn((2, 4 * world, 6), torch.float32, seed=0)  # the same global tensor on every rank
     w_rep = randn((6, 5), torch.float32, seed=1)
     w_col = randn((6, 3 * world), torch.float32, seed=2)
     x_d = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
@@ -476,18 +497,28 @@ def test_dtensor_placement_errors():
     w = torch.randn(6, 5)
     cases = [
         (lambda: fastmesh.all_gather_matmul(x, [w], 1), ValueError, r"a_shard must be placed Shard\(1\)"),
-        (lambda: fastmesh.all_gather_matmul(x.to_local(), [distribute_tensor(w, mesh, [Replicate()])], 0),
-         TypeError, r"a_shard must be a DTensor placed Shard\(gather_dim\) too"),
-        (lambda: fastmesh.all_gather_matmul(x, [distribute_tensor(w, mesh, [Shard(0)])], 0),
-         ValueError, r"bs\[0\] must be placed Replicate\(\) or Shard\(1\), got Shard\(dim=0\)"),
+        (
+            lambda: fastmesh.all_gather_matmul(x.to_local(), [distribute_tensor(w, mesh, [Replicate()])], 0),
+            TypeError,
+            r"a_shard must be a DTensor placed Shard\(gather_dim\) too",
+        ),
+        (
+            lambda: fastmesh.all_gather_matmul(x, [distribute_tensor(w, mesh, [Shard(0)])], 0),
+            ValueError,
+            r"bs\[0\] must be placed Replicate\(\) or Shard\(1\), got Shard\(dim=0\)",
+        ),
         (lambda: fastmesh.matmul_reduce_scatter(x, w, 0), ValueError, r"a must be placed Shard\(1\)"),
         # Uneven shards ([3, 6] and [2, 6] of a [5, 6]) would reach gloo with different shapes on the two ranks
         # (it aborts the process once the first call's shape check is behind): refused from the global shape.
-        (lambda: fastmesh.all_gather_matmul(uneven, [w], 0), ValueError,
-         r"a_shard is sharded unevenly: its global size 5 along gather_dim 0 is not divisible by the mesh size 2"),
+        (
+            lambda: fastmesh.all_gather_matmul(uneven, [w], 0),
+            ValueError,
+            r"a_shard is sharded unevenly: its global size 5 along gather_dim 0 is not divisible by the mesh size 2",
+        ),
     ]
-    uneven = DTensor.from_local(torch.randn(3 - dist.get_rank(), 6), mesh, [Shard(0)], run_check=False,
-                                shape=torch.Size([5, 6]), stride=(6, 1))
+    uneven = DTensor.from_local(
+        torch.randn(3 - dist.get_rank(), 6), mesh, [Shard(0)], run_check=False, shape=torch.Size([5, 6]), stride=(6, 1)
+    )
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
@@ -495,26 +526,39 @@ def test_dtensor_placement_errors():
 
 # ---- bad inputs: every rank raises, none hangs ----
 
+
 def _bad_all_gather_calls(world):
     a = torch.randn(4, 6)
     b = torch.randn(6, 5)
     return [
-        (dict(a_shard=a, bs=[torch.randn(7, 5)], gather_dim=0), ValueError,
-         r"bs\[0\] must have 6 rows \(the last dim of a_shard\), got shape \[7, 5\]"),
-        (dict(a_shard=a, bs=[torch.randn(6, 5)], gather_dim=1), ValueError,
-         rf"bs\[0\] must have {6 * world} rows \(the last dim of the gathered a: a_shard's last dim times the group "
-         rf"size {world}\)"),
+        (
+            dict(a_shard=a, bs=[torch.randn(7, 5)], gather_dim=0),
+            ValueError,
+            r"bs\[0\] must have 6 rows \(the last dim of a_shard\), got shape \[7, 5\]",
+        ),
+        (
+            dict(a_shard=a, bs=[torch.randn(6, 5)], gather_dim=1),
+            ValueError,
+            rf"bs\[0\] must have {6 * world} rows \(the last dim of the gathered a: a_shard's last dim times the group "
+            rf"size {world}\)",
+        ),
         (dict(a_shard=a, bs=[b.double()], gather_dim=0), TypeError, r"bs\[0\] must have a_shard's dtype torch.float32"),
         (dict(a_shard=a, bs=[b.to("meta")], gather_dim=0), ValueError, r"bs\[0\] must be on a_shard's device cpu"),
         (dict(a_shard=a, bs=[b], gather_dim=2), ValueError, r"gather_dim must be in \[-2, 1\] for a_shard with 2 dim"),
         (dict(a_shard=a, bs=[], gather_dim=0), ValueError, r"bs must hold at least one matrix"),
-        (dict(a_shard=a, bs=b, gather_dim=0), TypeError,
-         r"bs must be a list of matrices, got a Tensor of shape \[6, 5\]; pass \[b\] for one"),
+        (
+            dict(a_shard=a, bs=b, gather_dim=0),
+            TypeError,
+            r"bs must be a list of matrices, got a Tensor of shape \[6, 5\]; pass \[b\] for one",
+        ),
         (dict(a_shard=a, bs=[b.view(6, 5, 1)], gather_dim=0), ValueError, r"bs\[0\] must have 2 dim\(s\)"),
         (dict(a_shard=a.int(), bs=[b], gather_dim=0), TypeError, r"a_shard must be float32, bfloat16, float16"),
         (dict(a_shard=a, bs=[b], gather_dim=0, chunks=-1), ValueError, r"chunks must be an int >= 0"),
-        (dict(a_shard=a, bs=[b], gather_dim=0, group="no-such-group"), ValueError,
-         r"no process group is registered under the name 'no-such-group'"),
+        (
+            dict(a_shard=a, bs=[b], gather_dim=0, group="no-such-group"),
+            ValueError,
+            r"no process group is registered under the name 'no-such-group'",
+        ),
     ]
 
 
@@ -523,10 +567,16 @@ def _bad_reduce_scatter_calls(world):
     b = torch.randn(6, 2 * world)
     return [
         (dict(a=a, b=torch.randn(5, 4), scatter_dim=0), ValueError, r"b must have 6 rows \(a's last dim\)"),
-        (dict(a=torch.randn(3, 6), b=b, scatter_dim=0), ValueError,
-         rf"the scattered dim 0 of a @ b has size 3, which is not divisible by the group size {world}"),
-        (dict(a=a, b=torch.randn(6, 3), scatter_dim=-1), ValueError,
-         rf"the scattered dim -1 of a @ b has size 3, which is not divisible by the group size {world}"),
+        (
+            dict(a=torch.randn(3, 6), b=b, scatter_dim=0),
+            ValueError,
+            rf"the scattered dim 0 of a @ b has size 3, which is not divisible by the group size {world}",
+        ),
+        (
+            dict(a=a, b=torch.randn(6, 3), scatter_dim=-1),
+            ValueError,
+            rf"the scattered dim -1 of a @ b has size 3, which is not divisible by the group size {world}",
+        ),
         (dict(a=a, b=b, scatter_dim=0, reduce_op="max"), ValueError, r'reduce_op must be "sum" or "avg", got "max"'),
         (dict(a=a, b=b.half(), scatter_dim=0), TypeError, r"b must have a's dtype torch.float32, got torch.float16"),
         (dict(a=a, b=b, scatter_dim=-3), ValueError, r"scatter_dim must be in \[-2, 1\] for a with 2 dim"),
@@ -564,7 +614,9 @@ def test_kernel_checks_bypassing_python(world_size):
 def _call_cpu_kernel(op, *args):
     """Call the registered CPU kernel directly, skipping the fake/autograd layers and the Python checks."""
     with torch._C._AutoDispatchBelowAutograd():
-        return getattr(torch.ops.fastmesh, op).default.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args)
+        return getattr(torch.ops.fastmesh, op).default.redispatch(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args
+        )
 
 
 @on_ranks(2, 4)
@@ -577,9 +629,12 @@ def test_shard_shapes_that_differ_across_ranks_raise_on_every_rank():
     def mismatched_calls(group):
         a = torch.randn(3 + rank, 4)
         for return_a in (False, True):
-            with pytest.raises(ValueError, match=r"a_shard must have the same shape and dtype on every rank of the "
-                                                 r"group, got:\n  rank 0: shape \[3, 4\] torch.float32\n  rank 1: "
-                                                 r"shape \[4, 4\] torch.float32"):
+            with pytest.raises(
+                ValueError,
+                match=r"a_shard must have the same shape and dtype on every rank of the "
+                r"group, got:\n  rank 0: shape \[3, 4\] torch.float32\n  rank 1: "
+                r"shape \[4, 4\] torch.float32",
+            ):
                 fastmesh.all_gather_matmul(a, [torch.randn(4, 2)], 0, group=group, return_a=return_a)
         b = torch.randn(4, 2 * (1 + rank))
         with pytest.raises(ValueError, match=r"a @ b must have the same shape and dtype on every rank"):

@@ -15,13 +15,13 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from comm_counts import c10d_calls, p2p_pieces
+from environment import environment
+from fastmesh.kernels import fused_reference as ref
+from rank_pool import on_ranks
 
 import fastmesh
 from fastmesh.fp8 import Float8Config
-from fastmesh.kernels import fused_reference as ref
-from comm_counts import c10d_calls, p2p_pieces
-from environment import environment
-from rank_pool import on_ranks
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -73,7 +73,8 @@ def test_all_gather_scaled_matmul_exact():
         bs = [fp8_ints((24, 7 + i), E4M3, seed=20 + i).t().contiguous().t() for i in range(nbs)]  # column-major
         b_scales = [pow2_scale([1, b.shape[1]] if rowwise_b else [], seed=30 + i) for i, b in enumerate(bs)]
         a_full, a_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
-            a, a_scale, bs, b_scales, gather_dim, name, out_dtype, True, chunks)
+            a, a_scale, bs, b_scales, gather_dim, name, out_dtype, True, chunks
+        )
         want_a, want = _gather_reference(a, a_scale, bs, b_scales, gather_dim, out_dtype)
         case = f"gather_dim {gather_dim}, rowwise a {rowwise_a} b {rowwise_b}, {out_dtype}, {nbs} bs, chunks {chunks}"
         assert a_full.dtype == E4M3 and a_full_scale.shape == a_full.shape[:-1] + (1,), case
@@ -94,7 +95,8 @@ def test_scaled_matmul_reduce_scatter_exact(world_size):
         b = fp8_ints((2 * world_size, 16), E4M3, seed=20 + rank).t()
         b_scale = pow2_scale([1, b.shape[1]] if rowwise_b else [], seed=30 + rank)
         got = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-            a, a_scale, b, b_scale, scatter_dim, reduce_op, name, torch.float32, chunks)
+            a, a_scale, b, b_scale, scatter_dim, reduce_op, name, torch.float32, chunks
+        )
         product = (dequantize(a, a_scale) @ dequantize(b, b_scale)).float()
         want = ref.reduce_scatter(product, scatter_dim, name, reduce_op)
         assert torch.equal(got, want), f"scatter_dim {scatter_dim}, rowwise a {rowwise_a} b {rowwise_b}, {reduce_op}"
@@ -231,11 +233,15 @@ def test_fp8_opcheck_and_compile():
         scales.append((pow2_scale([4, 6, 1], 3), pow2_scale([1, 8], 4)))
     for a_scale, b_scale in scales:
         for dim, return_a in ((0, True), (1, False)):
-            _opcheck_fp8(torch.ops.fastmesh.all_gather_scaled_matmul,
-                         (a, a_scale, [b], [b_scale], dim, name, torch.bfloat16, return_a, 0))
+            _opcheck_fp8(
+                torch.ops.fastmesh.all_gather_scaled_matmul,
+                (a, a_scale, [b], [b_scale], dim, name, torch.bfloat16, return_a, 0),
+            )
         for dim in (0, 1, 2):
-            _opcheck_fp8(torch.ops.fastmesh.scaled_matmul_reduce_scatter,
-                         (a, a_scale, b, b_scale, dim, "sum", name, torch.float32, 0))
+            _opcheck_fp8(
+                torch.ops.fastmesh.scaled_matmul_reduce_scatter,
+                (a, a_scale, b, b_scale, dim, "sum", name, torch.float32, 0),
+            )
 
     config = Float8Config(granularity="rowwise" if ROWWISE_ON_CPU else "tensorwise")
 
@@ -246,7 +252,10 @@ def test_fp8_opcheck_and_compile():
     results = []
     for compiled in (False, True):
         x = randn((8, 32), torch.bfloat16, seed=dist.get_rank()).requires_grad_()
-        w1, w2 = randn((32, 16), torch.bfloat16, 1).requires_grad_(), randn((16, 32), torch.bfloat16, 2).requires_grad_()
+        w1, w2 = (
+            randn((32, 16), torch.bfloat16, 1).requires_grad_(),
+            randn((16, 32), torch.bfloat16, 2).requires_grad_(),
+        )
         fn = torch.compile(block, fullgraph=True, backend="inductor") if compiled else block
         out = fn(x, w1, w2)
         out.float().sum().backward()
@@ -264,25 +273,46 @@ def test_fp8_bad_inputs():
     ag = torch.ops.fastmesh.all_gather_scaled_matmul
     rs = torch.ops.fastmesh.scaled_matmul_reduce_scatter
     cases = [
-        (lambda: ag(a.float(), one, [b], [one], 0, name, torch.bfloat16), TypeError,
-         r"a_shard must be torch.float8_e4m3fn or torch.float8_e5m2 data, got torch.float32"),
-        (lambda: ag(a, one, [b], [one], 1, name, torch.bfloat16), ValueError,
-         r"the FP8 form gathers rows: gather_dim must not be the last dim"),
-        (lambda: ag(a, torch.ones(4), [b], [one], 0, name, torch.bfloat16), ValueError,
-         r"a_scale must be tensor-wise \(shape \[\]\) or row-wise \(shape \[4, 1\]\), got shape \[4\]"),
+        (
+            lambda: ag(a.float(), one, [b], [one], 0, name, torch.bfloat16),
+            TypeError,
+            r"a_shard must be torch.float8_e4m3fn or torch.float8_e5m2 data, got torch.float32",
+        ),
+        (
+            lambda: ag(a, one, [b], [one], 1, name, torch.bfloat16),
+            ValueError,
+            r"the FP8 form gathers rows: gather_dim must not be the last dim",
+        ),
+        (
+            lambda: ag(a, torch.ones(4), [b], [one], 0, name, torch.bfloat16),
+            ValueError,
+            r"a_scale must be tensor-wise \(shape \[\]\) or row-wise \(shape \[4, 1\]\), got shape \[4\]",
+        ),
         (lambda: ag(a, one, [b], [], 0, name, torch.bfloat16), ValueError, r"b_scales must hold one scale per b \(1\)"),
         (lambda: ag(a, one, [b], [one], 0, name, torch.int32), TypeError, r"out_dtype must be torch.float32"),
         (lambda: ag(a, one.double(), [b], [one], 0, name, torch.bfloat16), TypeError, r"a_scale must be float32"),
         (lambda: rs(a, one, b[:7], one, 0, "sum", name, torch.float32), ValueError, r"b must have 16 rows"),
-        (lambda: rs(a, one, b, torch.ones(8, 1), 0, "sum", name, torch.float32), ValueError,
-         r"b_scale must be tensor-wise \(shape \[\]\) or row-wise \(shape \[1, 8\]\)"),
-        (lambda: fastmesh.all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 2)], 0,
-                                            fp8=Float8Config(granularity="block1x128")),
-         ValueError, r"fp8 granularity must be 'tensorwise' or 'rowwise'"),
+        (
+            lambda: rs(a, one, b, torch.ones(8, 1), 0, "sum", name, torch.float32),
+            ValueError,
+            r"b_scale must be tensor-wise \(shape \[\]\) or row-wise \(shape \[1, 8\]\)",
+        ),
+        (
+            lambda: fastmesh.all_gather_matmul(
+                torch.randn(4, 8), [torch.randn(8, 2)], 0, fp8=Float8Config(granularity="block1x128")
+            ),
+            ValueError,
+            r"fp8 granularity must be 'tensorwise' or 'rowwise'",
+        ),
     ]
     if not ROWWISE_ON_CPU:
-        cases.append((lambda: ag(a, torch.ones(4, 1), [b], [one], 0, name, torch.bfloat16), NotImplementedError,
-                      r"all_gather_scaled_matmul: row-wise FP8 scales on CPU need torch >= 2.13"))
+        cases.append(
+            (
+                lambda: ag(a, torch.ones(4, 1), [b], [one], 0, name, torch.bfloat16),
+                NotImplementedError,
+                r"all_gather_scaled_matmul: row-wise FP8 scales on CPU need torch >= 2.13",
+            )
+        )
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()

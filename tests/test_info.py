@@ -77,8 +77,20 @@ def test_front_raises_extension_error_when_kernels_missing():
 
 def test_report_text_lists_sections():
     text = info.format_report(info.collect())
-    for heading in ("fastmesh ", "torch ", "triton ", "fastmesh._C ", "ops (dispatch keys", "CUDA ", "distributed ",
-                    "symmetric mem ", "CUDA all-gather ", "plan choice ", "plan cache ", "status "):
+    for heading in (
+        "fastmesh ",
+        "torch ",
+        "triton ",
+        "fastmesh._C ",
+        "ops (dispatch keys",
+        "CUDA ",
+        "distributed ",
+        "symmetric mem ",
+        "CUDA all-gather ",
+        "plan choice ",
+        "plan cache ",
+        "status ",
+    ):
         assert heading in text, heading
 
 
@@ -93,17 +105,23 @@ def test_reports_the_cuda_all_gather_path(monkeypatch):
     """Which path all_gather_matmul takes on CUDA under the current settings, and a bad setting as a problem."""
     monkeypatch.delenv("FASTMESH_CUDA_CONSUMER_GEMM", raising=False)
     monkeypatch.delenv("FASTMESH_CONSUMER_FREE_SMS", raising=False)
-    assert "CUDA all-gather the pipelined decomposition (the Triton consumer GEMM is opt-in: " \
+    assert (
+        "CUDA all-gather the pipelined decomposition (the Triton consumer GEMM is opt-in: "
         "FASTMESH_CUDA_CONSUMER_GEMM=1)" in info.format_report(info.collect())
+    )
     monkeypatch.setenv("FASTMESH_CUDA_CONSUMER_GEMM", "1")
     monkeypatch.setenv("FASTMESH_CONSUMER_FREE_SMS", "24")
-    assert "the Triton consumer GEMM where it applies (FASTMESH_CUDA_CONSUMER_GEMM=1; 24 SMs left to the " \
+    assert (
+        "the Triton consumer GEMM where it applies (FASTMESH_CUDA_CONSUMER_GEMM=1; 24 SMs left to the "
         "transfer)" in info.format_report(info.collect())
+    )
     monkeypatch.setenv("FASTMESH_CONSUMER_FREE_SMS", "0")
     report = info.collect()
     assert not report["usable"]
-    assert report["problems"][0] == "FASTMESH_CONSUMER_FREE_SMS must be an int >= 1 (SMs kept free for the " \
+    assert (
+        report["problems"][0] == "FASTMESH_CONSUMER_FREE_SMS must be an int >= 1 (SMs kept free for the "
         "transfers), got '0'"
+    )
 
 
 def test_reports_the_plan_choice_and_the_plan_cache(monkeypatch, tmp_path):
@@ -112,9 +130,19 @@ def test_reports_the_plan_choice_and_the_plan_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTMESH_TUNE_CACHE", str(path))
     monkeypatch.delenv("FASTMESH_TUNE", raising=False)
     report = info.collect()
-    assert report["tuning"] == {"mode": "model", "env": None, "error": None, "cache": {
-        "path": str(path), "exists": False, "section": PlanCache().section, "entries": 0, "sections": 0,
-        "unreadable": None}}
+    assert report["tuning"] == {
+        "mode": "model",
+        "env": None,
+        "error": None,
+        "cache": {
+            "path": str(path),
+            "exists": False,
+            "section": PlanCache().section,
+            "entries": 0,
+            "sections": 0,
+            "unreadable": None,
+        },
+    }
     text = info.format_report(report)
     assert "plan choice     FASTMESH_TUNE=model (the default)" in text
     assert f"plan cache      {path}: not written yet" in text
@@ -141,5 +169,7 @@ def test_reports_the_plan_choice_and_the_plan_cache(monkeypatch, tmp_path):
     report = info.collect()
     assert not report["usable"]
     assert report["problems"] == ["FASTMESH_TUNE must be one of off, model, measure, got 'fast'"]
-    assert "plan choice     INVALID: FASTMESH_TUNE must be one of off, model, measure, got 'fast'" in \
-        info.format_report(report)
+    assert (
+        "plan choice     INVALID: FASTMESH_TUNE must be one of off, model, measure, got 'fast'"
+        in info.format_report(report)
+    )

@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from rank_pool import on_ranks
 from torch._C._distributed_c10d import _resolve_process_group
 
 from fastmesh.mesh import group_name, init_mesh
-from rank_pool import on_ranks
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(TESTS_DIR)
@@ -37,6 +37,7 @@ def no_process_group(monkeypatch):
 
 # ---- errors raised before any process group starts (this process) ----
 
+
 @pytest.mark.parametrize(
     "axes, error, match",
     [
@@ -48,8 +49,11 @@ def no_process_group(monkeypatch):
         ({"dp": -2, "tp": 1}, ValueError, r"the size of axis 'dp' is -2"),
         ({"dp": -1, "tp": -1}, ValueError, r"init_mesh\(dp=-1, tp=-1\): only one axis may be -1, but dp, tp are"),
         ({"dp": 2, "tp": 4}, ValueError, r"^init_mesh\(dp=2, tp=4\) needs 8 ranks but the world has 1$"),
-        ({"dp": -1, "tp": 2}, ValueError,
-         r"dp=-1 takes the rest of the world, but the world's 1 ranks are not divisible by 2 \(the product"),
+        (
+            {"dp": -1, "tp": 2},
+            ValueError,
+            r"dp=-1 takes the rest of the world, but the world's 1 ranks are not divisible by 2 \(the product",
+        ),
     ],
 )
 def test_bad_axes(no_process_group, axes, error, match):
@@ -60,16 +64,25 @@ def test_bad_axes(no_process_group, axes, error, match):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"backend": "nccl"}, r"init_mesh\(device_type='cpu', backend='nccl'\): backend 'nccl' cannot serve "
-                              r"device 'cpu'; it serves cuda$"),
+        (
+            {"backend": "nccl"},
+            r"init_mesh\(device_type='cpu', backend='nccl'\): backend 'nccl' cannot serve "
+            r"device 'cpu'; it serves cuda$",
+        ),
         ({"backend": "cuda:nccl"}, r"backend 'cuda:nccl' cannot serve device 'cpu'; it serves cuda$"),
-        ({"backend": "cpu:nccl,cuda:nccl"}, r"init_mesh\(backend='cpu:nccl,cuda:nccl'\): backend 'nccl' cannot "
-                                            r"serve device 'cpu'; it serves cuda$"),
+        (
+            {"backend": "cpu:nccl,cuda:nccl"},
+            r"init_mesh\(backend='cpu:nccl,cuda:nccl'\): backend 'nccl' cannot "
+            r"serve device 'cpu'; it serves cuda$",
+        ),
         ({"backend": "nosuch"}, r"unknown backend 'nosuch'; torch knows .*gloo, .*nccl"),
         ({"backend": "cpu:gloo,cpu:gloo"}, r"expected a backend name or distinct device:backend pairs"),
         ({"backend": "cpu:"}, r"expected a backend name or distinct device:backend pairs"),
-        ({"device_type": "cuda:0"}, r"init_mesh\(device_type='cuda:0'\): pass a device type such as 'cuda', "
-                                    r"without an index"),
+        (
+            {"device_type": "cuda:0"},
+            r"init_mesh\(device_type='cuda:0'\): pass a device type such as 'cuda', "
+            r"without an index",
+        ),
         ({"timeout": 0}, r"init_mesh\(timeout=0\): the timeout must be positive"),
         ({"timeout": datetime.timedelta(seconds=-1)}, r"the timeout must be positive"),
     ],
@@ -93,8 +106,11 @@ def test_backend_capability_comes_from_torch(no_process_group, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a machine without CUDA")
 def test_cuda_unavailable(no_process_group):
-    with pytest.raises(RuntimeError, match=r"init_mesh\(device_type='cuda'\): torch\.cuda\.is_available\(\) "
-                                           r"is False .*pass device_type='cpu'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"init_mesh\(device_type='cuda'\): torch\.cuda\.is_available\(\) "
+        r"is False .*pass device_type='cpu'",
+    ):
         init_mesh(tp=1, device_type="cuda")
 
 
@@ -110,22 +126,31 @@ def test_local_rank_out_of_range(no_process_group, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    with pytest.raises(RuntimeError, match=r"init_mesh\(device_type='cuda'\): LOCAL_RANK=3 but this process sees "
-                                           r"2 cuda device\(s\) \(CUDA_VISIBLE_DEVICES=4,5\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"init_mesh\(device_type='cuda'\): LOCAL_RANK=3 but this process sees "
+        r"2 cuda device\(s\) \(CUDA_VISIBLE_DEVICES=4,5\)",
+    ):
         init_mesh(tp=1)
 
 
 def test_partial_launcher_environment(no_process_group, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match=r"init_mesh: RANK, WORLD_SIZE set but MASTER_ADDR, MASTER_PORT not; "
-                                           r"launch with torchrun"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"init_mesh: RANK, WORLD_SIZE set but MASTER_ADDR, MASTER_PORT not; "
+        r"launch with torchrun",
+    ):
         init_mesh(tp=2, device_type="cpu")
 
 
 def test_group_name_without_process_group(no_process_group):
-    with pytest.raises(RuntimeError, match=r"group_name\(None\) names the default process group, but none is "
-                                           r"initialized"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"group_name\(None\) names the default process group, but none is "
+        r"initialized",
+    ):
         group_name()
     with pytest.raises(ValueError, match=r"no process group is registered under the name '0'"):
         group_name("0")
@@ -133,12 +158,16 @@ def test_group_name_without_process_group(no_process_group):
 
 @pytest.mark.parametrize("group", [3, ["tp"], (None, "tp"), b"0"])
 def test_group_name_of_wrong_type(group):
-    with pytest.raises(TypeError, match=r"group_name\(\) takes a ProcessGroup, a 1-D DeviceMesh, a "
-                                        r"\(DeviceMesh, axis_name\) tuple, a group-name string or None, not"):
+    with pytest.raises(
+        TypeError,
+        match=r"group_name\(\) takes a ProcessGroup, a 1-D DeviceMesh, a "
+        r"\(DeviceMesh, axis_name\) tuple, a group-name string or None, not",
+    ):
         group_name(group)
 
 
 # ---- a world of 1, started by init_mesh (a fresh process) ----
+
 
 def _run_in_fresh_process(fn):
     env = {var: value for var, value in os.environ.items() if var not in LAUNCHER_VARS}
@@ -167,9 +196,13 @@ def _check_world_of_one():
     assert dist.group.WORLD is world and again.mesh_dim_names == ("tp",)
     with pytest.raises(ValueError, match=re.escape("init_mesh(tp=2) needs 2 ranks but the world has 1")):
         init_mesh(tp=2)
-    with pytest.raises(RuntimeError, match=re.escape(
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
             "init_mesh(backend='ucc'): the default process group already exists with backend 'cpu:gloo,cuda:gloo', "
-            "which differs: cpu: gloo (requested ucc); cuda: gloo (requested ucc)")):
+            "which differs: cpu: gloo (requested ucc); cuda: gloo (requested ucc)"
+        ),
+    ):
         init_mesh(tp=1, backend="ucc")
 
 
@@ -177,9 +210,13 @@ def _check_existing_group_without_the_device():
     dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.cuda.is_available = lambda: True  # pretend, to reach the check; nothing else runs on CUDA
     torch.cuda.device_count = lambda: 1
-    with pytest.raises(RuntimeError, match=re.escape(
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
             "init_mesh(device_type='cuda'): the default process group already exists with backend 'cpu:gloo', "
-            "which cannot serve 'cuda'; it serves cpu")):
+            "which cannot serve 'cuda'; it serves cpu"
+        ),
+    ):
         init_mesh(tp=1)
     with pytest.raises(RuntimeError, match=re.escape("which differs: cpu: gloo (requested mpi)")):
         init_mesh(tp=1, device_type="cpu", backend="cpu:mpi")
@@ -194,6 +231,7 @@ def test_existing_group_that_cannot_serve_the_device():
 
 
 # ---- 2 and 4 ranks (the pools' default group is reused) ----
+
 
 @on_ranks(2, 4)
 def test_one_axis(world_size):
@@ -238,8 +276,11 @@ def test_two_axes_groups():
 @on_ranks(4)
 def test_group_name_of_two_axis_mesh_errors():
     mesh = init_mesh(dp=2, tp=2)
-    with pytest.raises(ValueError, match=r"^group_name: the mesh has axes \('dp', 'tp'\); pass one axis, "
-                                         r"e\.g\. mesh\['tp'\] or \(mesh, 'tp'\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^group_name: the mesh has axes \('dp', 'tp'\); pass one axis, "
+        r"e\.g\. mesh\['tp'\] or \(mesh, 'tp'\)$",
+    ):
         group_name(mesh)
     with pytest.raises(ValueError, match=r"^group_name: the mesh has no axis 'pp'; its axes are \('dp', 'tp'\)$"):
         group_name((mesh, "pp"))
@@ -259,15 +300,21 @@ def test_group_name_of_process_groups():
 def test_sizes_that_do_not_fit_the_world(world_size):
     with pytest.raises(ValueError, match=rf"^init_mesh\(dp=2, tp=4\) needs 8 ranks but the world has {world_size}$"):
         init_mesh(dp=2, tp=4)
-    with pytest.raises(ValueError, match=rf"init_mesh\(dp=-1, tp=3\): dp=-1 takes the rest of the world, but the "
-                                         rf"world's {world_size} ranks are not divisible by 3"):
+    with pytest.raises(
+        ValueError,
+        match=rf"init_mesh\(dp=-1, tp=3\): dp=-1 takes the rest of the world, but the "
+        rf"world's {world_size} ranks are not divisible by 3",
+    ):
         init_mesh(dp=-1, tp=3)
 
 
 @on_ranks(2)
 def test_backend_conflicting_with_existing_group():
-    with pytest.raises(RuntimeError, match=r"^init_mesh\(backend='ucc'\): the default process group already exists "
-                                           r"with backend 'cpu:gloo,cuda:\w+', which differs: cpu: gloo \(requested "
-                                           r"ucc\); cuda: \w+ \(requested ucc\)\. Omit backend= to reuse it"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^init_mesh\(backend='ucc'\): the default process group already exists "
+        r"with backend 'cpu:gloo,cuda:\w+', which differs: cpu: gloo \(requested "
+        r"ucc\); cuda: \w+ \(requested ucc\)\. Omit backend= to reuse it",
+    ):
         init_mesh(tp=2, backend="ucc")
     assert init_mesh(tp=2, device_type="cpu", backend="cpu:gloo").shape == (2,)  # agrees where it says anything

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rank_pool import on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -28,7 +29,6 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from fastmesh.fp8 import Float8Config
 from fastmesh.parallel import FusedColwiseParallel, FusedRowwiseParallel
 from fastmesh.testing.llama import Block, Llama, LlamaArgs, block_plan, parallelize_llama, rope_tables
-from rank_pool import on_ranks
 
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # torch < 2.13 runs only tensor-wise scales in torch._scaled_mm on CPU.
@@ -64,6 +64,7 @@ def _full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ---- a Llama-style block: fastmesh plan == native plan == unsharded ----
+
 
 def _block_cases(world: int):
     """(batch, sequence length, args): a round case and one with odd sizes that still divide by the TP degree
@@ -105,11 +106,13 @@ def test_llama_block_matches_native_plan_and_unsharded(world_size):
             torch.testing.assert_close(dx, _shard(want_dx, 1), **TOLERANCE, msg=lambda m: f"{case}: grad x: {m}")
             assert grads.keys() == want_grads.keys()
             for name, grad in grads.items():
-                torch.testing.assert_close(grad, want_grads[name], **TOLERANCE,
-                                           msg=lambda m: f"{case}: grad {name}: {m}")
+                torch.testing.assert_close(
+                    grad, want_grads[name], **TOLERANCE, msg=lambda m: f"{case}: grad {name}: {m}"
+                )
 
 
 # ---- small integers: bit-exact ----
+
 
 class _LinearPair(nn.Module):
     """colwise -> relu -> rowwise, with biases: the simplest TP MLP."""
@@ -144,8 +147,10 @@ def test_linear_pair_small_integers_bit_exact(world_size):
         xr = x.clone().requires_grad_()
         (unsharded(xr) * grad_out).sum().backward()
 
-        styles = {"up": FusedColwiseParallel(input_layouts=Shard(seq_dim)),
-                  "down": FusedRowwiseParallel(output_layouts=Shard(seq_dim))}
+        styles = {
+            "up": FusedColwiseParallel(input_layouts=Shard(seq_dim)),
+            "down": FusedRowwiseParallel(output_layouts=Shard(seq_dim)),
+        }
         pair = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
         xs = _shard(x, seq_dim).requires_grad_()
         y = pair(xs)
@@ -158,6 +163,7 @@ def test_linear_pair_small_integers_bit_exact(world_size):
 
 
 # ---- single linears: layouts, DTensor in and out ----
+
 
 @on_ranks(2)
 def test_colwise_input_layouts_and_dtensor_outputs():
@@ -178,8 +184,9 @@ def test_colwise_input_layouts_and_dtensor_outputs():
     ]
     for use_local_output in (True, False):
         for keywords, given, label in cases:
-            linear = parallelize_module(copy.deepcopy(unsharded), mesh,
-                                        FusedColwiseParallel(use_local_output=use_local_output, **keywords))
+            linear = parallelize_module(
+                copy.deepcopy(unsharded), mesh, FusedColwiseParallel(use_local_output=use_local_output, **keywords)
+            )
             out = linear(given)
             assert isinstance(out, DTensor) == (not use_local_output), label
             if not use_local_output:
@@ -200,12 +207,14 @@ def test_bias_gradients_reach_every_rank():
     x = _randn((2, 4, 8), seed=4, dtype=torch.float64)
     grad_out = _randn((2, 4, 8), seed=5, dtype=torch.float64)
     (unsharded(x) * grad_out).sum().backward()
-    pair = parallelize_module(copy.deepcopy(unsharded), mesh,
-                              {"up": FusedColwiseParallel(), "down": FusedRowwiseParallel()})
+    pair = parallelize_module(
+        copy.deepcopy(unsharded), mesh, {"up": FusedColwiseParallel(), "down": FusedRowwiseParallel()}
+    )
     (pair(_shard(x, 1)) * _shard(grad_out, 1)).sum().backward()
     for name, p in unsharded.named_parameters():
-        torch.testing.assert_close(_full(dict(pair.named_parameters())[name].grad), p.grad, rtol=1e-12, atol=1e-12,
-                                   msg=name)
+        torch.testing.assert_close(
+            _full(dict(pair.named_parameters())[name].grad), p.grad, rtol=1e-12, atol=1e-12, msg=name
+        )
 
 
 @contextlib.contextmanager
@@ -274,8 +283,10 @@ def test_sibling_linears_share_one_gather_and_other_uses_stay_correct():
 # ---- the communication pattern ----
 
 # What each fused op stands for in the native plan's CommDebugMode counts.
-_FUSED_AS = {torch.ops.fastmesh.all_gather_matmul: "all_gather_into_tensor",
-             torch.ops.fastmesh.matmul_reduce_scatter: "reduce_scatter_tensor"}
+_FUSED_AS = {
+    torch.ops.fastmesh.all_gather_matmul: "all_gather_into_tensor",
+    torch.ops.fastmesh.matmul_reduce_scatter: "reduce_scatter_tensor",
+}
 
 
 def _op_name(op) -> str:
@@ -299,13 +310,16 @@ def test_block_issues_exactly_the_native_plans_collectives():
         mode.comm_registry.update(_FUSED_AS)
         with mode:
             block(x, rope).sum().backward()
-        counts[plan] = {phase: {_op_name(op): n for op, n in mode.comm_module_counts["Global"][phase].items()}
-                        for phase in ("forward", "backward")}
+        counts[plan] = {
+            phase: {_op_name(op): n for op, n in mode.comm_module_counts["Global"][phase].items()}
+            for phase in ("forward", "backward")
+        }
     assert counts["fastmesh"] == counts["native"], counts
     assert counts["native"]["forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, counts
 
 
 # ---- FP8 ----
+
 
 def _train_losses(plan: str, fp8, steps: int, args: LlamaArgs, batch, seq_len) -> list[float]:
     torch.manual_seed(0)
@@ -338,16 +352,25 @@ def test_fp8_plan_loss_tracks_high_precision_plan():
     args = LlamaArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128, vocab_size=64)
     high = _train_losses("fastmesh", None, 20, args, batch=2, seq_len=16)
     for backward_in_fp8 in (True, False):
-        fp8 = _train_losses("fastmesh", Float8Config(granularity=FP8_GRANULARITY, backward_in_fp8=backward_in_fp8),
-                            20, args, batch=2, seq_len=16)
+        fp8 = _train_losses(
+            "fastmesh",
+            Float8Config(granularity=FP8_GRANULARITY, backward_in_fp8=backward_in_fp8),
+            20,
+            args,
+            batch=2,
+            seq_len=16,
+        )
         gaps = [abs(a - b) for a, b in zip(fp8, high)]
-        print(f"backward_in_fp8={backward_in_fp8}: bf16 {high[0]:.3f} -> {high[-1]:.3f}, fp8 {fp8[0]:.3f} -> "
-              f"{fp8[-1]:.3f}, largest gap {max(gaps):.3f}")
+        print(
+            f"backward_in_fp8={backward_in_fp8}: bf16 {high[0]:.3f} -> {high[-1]:.3f}, fp8 {fp8[0]:.3f} -> "
+            f"{fp8[-1]:.3f}, largest gap {max(gaps):.3f}"
+        )
         assert high[-1] < 0.5 * high[0], high  # the task is learned at all
         assert max(gaps) < FP8_LOSS_BOUND, (gaps, fp8, high)
 
 
 # ---- compile ----
+
 
 @on_ranks(2, timeout=600)  # six compiles: ~60 s here, more on a loaded machine
 def test_compiled_block_matches_eager_in_one_graph():
@@ -372,6 +395,7 @@ def test_compiled_block_matches_eager_in_one_graph():
         return y.detach(), x.grad, grads
 
     for backend, checkpointed in (("aot_eager", False), ("aot_eager", True), ("inductor", False)):
+
         def run(x):
             # The tables come from x's length inside the graph, as in Llama.forward: passed in, they would
             # be a second dynamic length that dynamo can only tie to x's by specializing both.
@@ -432,6 +456,7 @@ def test_compiled_bf16_sibling_linears_match_eager():
 
 # ---- bad plans ----
 
+
 class _NotLinear(nn.Module):
     def __init__(self):
         super().__init__()
@@ -452,41 +477,88 @@ def test_bad_plans_raise_clear_errors():
 
     _raises(TypeError, "must be an nn.Linear, got LayerNorm", lambda: apply(nn.LayerNorm(8), FusedColwiseParallel()))
     _raises(TypeError, "must be an nn.Linear, got LayerNorm", lambda: apply(nn.LayerNorm(8), FusedRowwiseParallel()))
-    _raises(TypeError, "norm must be an nn.Linear", lambda: apply(_NotLinear(), FusedColwiseParallel(linears=("proj", "norm"))))
-    _raises(ValueError, "names 'wz', which _NotLinear does not have",
-            lambda: apply(_NotLinear(), FusedColwiseParallel(linears=("proj", "wz"))))
-    _raises(TypeError, "apply FusedColwiseParallel\\(\\) to the linear itself",
-            lambda: apply(nn.Linear(8, 8), FusedColwiseParallel(linears=("proj",))))
-    _raises(ValueError, f"out_features=7 must be divisible by the TP degree {world}",
-            lambda: apply(nn.Linear(8, 7), FusedColwiseParallel()))
-    _raises(ValueError, f"in_features=5 must be divisible by the TP degree {world}",
-            lambda: apply(nn.Linear(5, 8), FusedRowwiseParallel()))
+    _raises(
+        TypeError,
+        "norm must be an nn.Linear",
+        lambda: apply(_NotLinear(), FusedColwiseParallel(linears=("proj", "norm"))),
+    )
+    _raises(
+        ValueError,
+        "names 'wz', which _NotLinear does not have",
+        lambda: apply(_NotLinear(), FusedColwiseParallel(linears=("proj", "wz"))),
+    )
+    _raises(
+        TypeError,
+        "apply FusedColwiseParallel\\(\\) to the linear itself",
+        lambda: apply(nn.Linear(8, 8), FusedColwiseParallel(linears=("proj",))),
+    )
+    _raises(
+        ValueError,
+        f"out_features=7 must be divisible by the TP degree {world}",
+        lambda: apply(nn.Linear(8, 7), FusedColwiseParallel()),
+    )
+    _raises(
+        ValueError,
+        f"in_features=5 must be divisible by the TP degree {world}",
+        lambda: apply(nn.Linear(5, 8), FusedRowwiseParallel()),
+    )
     mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-    _raises(ValueError, "must be given a 1-D device mesh",
-            lambda: FusedColwiseParallel()._apply(nn.Linear(8, 8), mesh_2d))
-    _raises(ValueError, "output_layouts must be Shard\\(-1\\)", lambda: FusedColwiseParallel(output_layouts=Replicate()))
-    _raises(ValueError, "output_layouts must be Shard\\(sequence_dim\\)",
-            lambda: FusedRowwiseParallel(output_layouts=Replicate()))
-    _raises(ValueError, "granularity must be 'tensorwise' or 'rowwise'",
-            lambda: FusedColwiseParallel(fp8=Float8Config(granularity="block1x128")))
-    _raises(ValueError, "fp8 needs a sequence-sharded input",
-            lambda: FusedColwiseParallel(input_layouts=Replicate(), fp8=Float8Config()))
-    _raises(TypeError, "fp8 cannot serve the module's dtype torch.float64",
-            lambda: apply(nn.Linear(8, 8, dtype=torch.float64), FusedRowwiseParallel(fp8=Float8Config())))
+    _raises(
+        ValueError, "must be given a 1-D device mesh", lambda: FusedColwiseParallel()._apply(nn.Linear(8, 8), mesh_2d)
+    )
+    _raises(
+        ValueError, "output_layouts must be Shard\\(-1\\)", lambda: FusedColwiseParallel(output_layouts=Replicate())
+    )
+    _raises(
+        ValueError,
+        "output_layouts must be Shard\\(sequence_dim\\)",
+        lambda: FusedRowwiseParallel(output_layouts=Replicate()),
+    )
+    _raises(
+        ValueError,
+        "granularity must be 'tensorwise' or 'rowwise'",
+        lambda: FusedColwiseParallel(fp8=Float8Config(granularity="block1x128")),
+    )
+    _raises(
+        ValueError,
+        "fp8 needs a sequence-sharded input",
+        lambda: FusedColwiseParallel(input_layouts=Replicate(), fp8=Float8Config()),
+    )
+    _raises(
+        TypeError,
+        "fp8 cannot serve the module's dtype torch.float64",
+        lambda: apply(nn.Linear(8, 8, dtype=torch.float64), FusedRowwiseParallel(fp8=Float8Config())),
+    )
 
     # At the first forward: sequence lengths that do not divide, inputs placed otherwise.
     rowwise = apply(nn.Linear(8, 8), FusedRowwiseParallel())
-    _raises(ValueError, f"sequence length 3 \\(dim 1 of the input, shape \\(2, 3, {8 // world}\\)\\) must be divisible",
-            lambda: rowwise(torch.randn(2, 3, 8 // world)))
+    _raises(
+        ValueError,
+        f"sequence length 3 \\(dim 1 of the input, shape \\(2, 3, {8 // world}\\)\\) must be divisible",
+        lambda: rowwise(torch.randn(2, 3, 8 // world)),
+    )
     colwise = apply(nn.Linear(8, 8), FusedColwiseParallel())
-    uneven = DTensor.from_local(torch.randn(2, 2 if dist.get_rank() == 0 else 1, 8), mesh, [Shard(1)],
-                                run_check=False, shape=torch.Size((2, 3, 8)), stride=(24, 8, 1))
-    _raises(ValueError, f"sequence length 3 \\(dim 1\\) must be divisible by the TP degree {world}",
-            lambda: colwise(uneven))
-    _raises(ValueError, "Shard\\(2\\) must name a sequence dim",
-            lambda: apply(nn.Linear(8, 8), FusedColwiseParallel(input_layouts=Shard(2)))(torch.randn(2, 3, 8)))
-    _raises(ValueError, "must be placed Shard\\(-1\\)",
-            lambda: rowwise(DTensor.from_local(torch.randn(2, 4, 8), mesh, [Replicate()])))
+    uneven = DTensor.from_local(
+        torch.randn(2, 2 if dist.get_rank() == 0 else 1, 8),
+        mesh,
+        [Shard(1)],
+        run_check=False,
+        shape=torch.Size((2, 3, 8)),
+        stride=(24, 8, 1),
+    )
+    _raises(
+        ValueError, f"sequence length 3 \\(dim 1\\) must be divisible by the TP degree {world}", lambda: colwise(uneven)
+    )
+    _raises(
+        ValueError,
+        "Shard\\(2\\) must name a sequence dim",
+        lambda: apply(nn.Linear(8, 8), FusedColwiseParallel(input_layouts=Shard(2)))(torch.randn(2, 3, 8)),
+    )
+    _raises(
+        ValueError,
+        "must be placed Shard\\(-1\\)",
+        lambda: rowwise(DTensor.from_local(torch.randn(2, 4, 8), mesh, [Replicate()])),
+    )
     # Every rank raised before any collective: the group still works.
     t = torch.ones(1)
     dist.all_reduce(t)

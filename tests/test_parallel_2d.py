@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from rank_pool import on_ranks
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 import fastmesh
 from fastmesh.testing.llama import Llama, LlamaArgs, parallelize_llama
-from rank_pool import on_ranks
 
 # Small but with every feature of the plans: grouped kv heads (2 query heads per kv head on each of 2 TP
 # ranks), odd-ish widths, two blocks so that FSDP2 has several groups.
@@ -65,8 +65,13 @@ def build(seed: int) -> Llama:
 def batches(dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """STEPS (tokens, targets) batches of dp group ``dp_rank`` (the same on its TP ranks)."""
     g = torch.Generator().manual_seed(1000 + dp_rank)
-    return [(torch.randint(ARGS.vocab_size, (BATCH, SEQ), generator=g),
-             torch.randint(ARGS.vocab_size, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(ARGS.vocab_size, (BATCH, SEQ), generator=g),
+            torch.randint(ARGS.vocab_size, (BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def whole_batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -96,8 +101,10 @@ def train(model: Llama, data) -> list[float]:
 
 def full_parameters(model: Llama) -> dict[str, torch.Tensor]:
     """Every parameter, whole (a collective when they are DTensors: all ranks call it together)."""
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in model.named_parameters()}
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
 
 
 def assert_same_updates(got: dict, want: dict, init: dict, what: str, steps: int = STEPS) -> None:
@@ -157,8 +164,9 @@ def test_fsdp2_tp_training_matches_native_plan_and_unsharded_model():
         results[name] = full_parameters(model)
         # Each dp group sees half the batch: the mean of the two groups' losses is the whole batch's.
         dist.all_reduce(losses, group=mesh.get_group("dp"))
-        torch.testing.assert_close(losses / 2, torch.tensor(want_losses), rtol=0, atol=VALUE_ATOL,
-                                   msg=lambda m: f"{name} losses: {m}")
+        torch.testing.assert_close(
+            losses / 2, torch.tensor(want_losses), rtol=0, atol=VALUE_ATOL, msg=lambda m: f"{name} losses: {m}"
+        )
         assert_same_updates(results[name], want, init, f"{name} vs the unsharded model")
     for name in results.keys() - {"native"}:
         assert_same_updates(results[name], results["native"], init, f"{name} vs native plan")

@@ -6,21 +6,22 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pathlib
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from environment import environment
+from fastmesh.kernels import fused_reference as ref
+from rank_pool import on_ranks
 
 import fastmesh
 from fastmesh import _cpp_lib
-from fastmesh.kernels import fused_reference as ref
 from fastmesh.ops import plan_cache, plan_model, plans, traced_unfused
 from fastmesh.ops.fused_collectives import gather_plan_call, scatter_plan_call
 from fastmesh.ops.fused_collectives_fp8 import scaled_gather_plan_call, scaled_scatter_plan_call
 from fastmesh.ops.plan_cache import PlanCache
-from environment import environment
-from rank_pool import on_ranks
 
 E4M3 = torch.float8_e4m3fn
 AG, RS = "fastmesh::all_gather_matmul", "fastmesh::matmul_reduce_scatter"
@@ -97,22 +98,26 @@ def test_every_plan_of_the_fp8_ops_gives_the_same_bits():
         b = small_ints((32, 16), torch.float32, 60).to(E4M3).t()  # column-major [16, 32], as _scaled_mm wants
         b_scale = torch.full((1, 32), 2.0) if rowwise else torch.tensor(2.0)
         if rowwise or not _cpu_rowwise_needed():
-            _, _, (want,) = torch.ops.fastmesh.all_gather_scaled_matmul(a, a_scale, [b], [b_scale], 1, name,
-                                                                        torch.float32, False)
+            _, _, (want,) = torch.ops.fastmesh.all_gather_scaled_matmul(
+                a, a_scale, [b], [b_scale], 1, name, torch.float32, False
+            )
             call = scaled_gather_plan_call(a, a_scale, [b], 1, name, torch.float32)
             for plan in call.candidates:
                 with plans.override(plan):
-                    _, _, (got,) = torch.ops.fastmesh.all_gather_scaled_matmul(a, a_scale, [b], [b_scale], 1, name,
-                                                                               torch.float32, False)
+                    _, _, (got,) = torch.ops.fastmesh.all_gather_scaled_matmul(
+                        a, a_scale, [b], [b_scale], 1, name, torch.float32, False
+                    )
                 assert torch.equal(got, want), (rowwise, plan)
         for dim in (1, 2):
-            want = torch.ops.fastmesh.scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, dim, "sum", name,
-                                                                   torch.float32)
+            want = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
+                a, a_scale, b, b_scale, dim, "sum", name, torch.float32
+            )
             call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, name, torch.float32)
             for plan in call.candidates:
                 with plans.override(plan):
-                    got = torch.ops.fastmesh.scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, dim, "sum", name,
-                                                                          torch.float32)
+                    got = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
+                        a, a_scale, b, b_scale, dim, "sum", name, torch.float32
+                    )
                 assert torch.equal(got, want), (rowwise, dim, plan)
             assert world * got.shape[dim] == (8 if dim == 1 else 32)
 
@@ -124,7 +129,7 @@ def _cpu_rowwise_needed() -> bool:
 
 @on_ranks(2)
 def test_backward_runs_the_planned_ops_and_matches_the_reference():
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     _, name = _group()
     x = small_ints((4, 6), torch.float32, 70 + rank).requires_grad_()
     w = small_ints((6, 5), torch.float32, 80).requires_grad_()
@@ -177,6 +182,7 @@ def test_ranks_agree_in_one_all_reduce_per_new_key():
 
 
 # ---- ranks agree ----
+
 
 def _gathered_labels(label: str) -> list:
     labels = [None] * dist.get_world_size()
@@ -256,13 +262,16 @@ def test_modes_and_given_pieces():
         assert plans.last_decision(AG)[1].plan == plans.FIXED
     fastmesh.all_gather_matmul(a, bs, 0, chunks=3)
     assert plans.last_decision(AG)[1] == plans.Decision(plans.Plan("rows", 3), "pieces= given")
-    with environment(FASTMESH_TUNE="fast"):
-        with pytest.raises(ValueError, match="FASTMESH_TUNE must be one of off, model, measure, got 'fast'"):
-            fastmesh.all_gather_matmul(a, bs, 0)
+    with (
+        environment(FASTMESH_TUNE="fast"),
+        pytest.raises(ValueError, match="FASTMESH_TUNE must be one of off, model, measure, got 'fast'"),
+    ):
+        fastmesh.all_gather_matmul(a, bs, 0)
     plans.forget()
 
 
 # ---- the model ----
+
 
 def _shape(op, rows, k, ns, dtype="float32", outer=1, last=False, world=2):
     size = {"float32": 4, "bfloat16": 2}[dtype]
@@ -275,13 +284,16 @@ def _candidates(op):
     return rows + columns + [plans.UNFUSED]
 
 
-@pytest.mark.parametrize("op, rows, k, ns, dtype", [
-    # Where the issue measured fusing lose: few rows and a large weight (every piece re-reads b).
-    ("all_gather", 64, 4096, [4096], "float32"),
-    ("reduce_scatter", 128, 4096, [4096], "float32"),
-    ("reduce_scatter", 512, 8192, [1024], "bfloat16"),
-    ("all_gather", 256, 2048, [8192], "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "op, rows, k, ns, dtype",
+    [
+        # Where the issue measured fusing lose: few rows and a large weight (every piece re-reads b).
+        ("all_gather", 64, 4096, [4096], "float32"),
+        ("reduce_scatter", 128, 4096, [4096], "float32"),
+        ("reduce_scatter", 512, 8192, [1024], "bfloat16"),
+        ("all_gather", 256, 2048, [8192], "bfloat16"),
+    ],
+)
 def test_model_does_not_cut_rows_when_the_weight_dominates(op, rows, k, ns, dtype):
     chosen, times = plan_model.best(_shape(op, rows, k, ns, dtype), _candidates(op))
     assert chosen.split != "rows", (chosen, times)
@@ -297,6 +309,7 @@ def test_model_overlaps_where_the_transfer_is_as_long_as_the_multiply():
 
 # ---- the cache ----
 
+
 def _entry(label):
     return {"split": "rows", "pieces": int(label), "ms": {}}
 
@@ -307,7 +320,7 @@ def test_cache_is_written_once_and_reused(tmp_path):
     assert writer.lookup("k") is None
     writer.store("k", _entry(2))
     assert PlanCache(path).lookup("k") == _entry(2)
-    data = json.loads(open(path).read())
+    data = json.loads(pathlib.Path(path).read_text())
     assert data["format"] == plan_cache.FORMAT
     (section,) = data["machines"].values()
     assert section["machine"]["torch"] == torch.__version__ and list(section["plans"]) == ["k"]
@@ -323,7 +336,7 @@ def test_cache_is_invalidated_by_a_version_change(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_cache, "machine", lambda: newer)
     assert PlanCache(path).lookup("k") is None
     PlanCache(path).store("k", _entry(8))  # a section of its own, beside the old one
-    assert len(json.loads(open(path).read())["machines"]) == 2
+    assert len(json.loads(pathlib.Path(path).read_text())["machines"]) == 2
 
 
 def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
@@ -358,6 +371,7 @@ def test_cache_is_safe_with_two_processes_writing(tmp_path):
 
 # ---- under inductor ----
 
+
 def _compiled_layer(x, w1, w2):
     _, (h,) = fastmesh.all_gather_matmul(x, [w1], 0)
     return fastmesh.matmul_reduce_scatter(torch.relu(h), w2, 0)
@@ -379,8 +393,10 @@ def test_inductor_traces_unfused_plans_as_torchs_collectives():
     (want_grad,) = torch.autograd.grad(want, x, grad)
     cache_file = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], f"inductor-{rank}.json")
     for cached in (None, plans.Plan("rows", 2)):
-        with environment(FASTMESH_TUNE="model", FASTMESH_TUNE_CACHE=cache_file), \
-                inductor_config.patch(fx_graph_cache=False):
+        with (
+            environment(FASTMESH_TUNE="model", FASTMESH_TUNE_CACHE=cache_file),
+            inductor_config.patch(fx_graph_cache=False),
+        ):
             if cached is not None:
                 h = torch.empty(2 * x.shape[0], w1.shape[1])  # the gathered product the reduce-scatter multiplies
                 for call in (_gather_call(x, [w1], 0), _scatter_call(h, w2, 0)):

@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from rank_pool import RankFailure, RankPool, RankTimeout, get_pool, on_ranks
 
 

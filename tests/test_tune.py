@@ -14,8 +14,24 @@ import pytest
 from fastmesh import tune
 from fastmesh.ops import plans
 
-BLOCK = ["--world", "2", "--threads", "1", "--dim", "64", "--hidden", "128", "--tokens", "32", "--heads", "4",
-         "--kv-heads", "4", "--dtype", "float32"]
+BLOCK = [
+    "--world",
+    "2",
+    "--threads",
+    "1",
+    "--dim",
+    "64",
+    "--hidden",
+    "128",
+    "--tokens",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "4",
+    "--dtype",
+    "float32",
+]
 CASE = "ag:8x64:0:48"
 _AG, _RS = "fastmesh::all_gather_matmul", "fastmesh::matmul_reduce_scatter"
 # The block's calls on 2 ranks (x [1, 16, 64] per rank; q = k = v = 64 columns, 32 per rank; hidden 64 per rank):
@@ -33,8 +49,9 @@ BLOCK_CALLS = {
 
 
 def _tune(*args):
-    result = subprocess.run([sys.executable, "-m", "fastmesh", "tune", *args], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "fastmesh", "tune", *args], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, f"fastmesh tune failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result.stdout
 
@@ -67,7 +84,7 @@ def _table_rows(stdout):
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("called in"))
     rows = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip():
             break
         rows.append(line)
@@ -97,8 +114,9 @@ def test_tune_block_measures_then_reports_cached(tmp_path):
     assert case_key.startswith(f"{_AG}|gloo|cpu|a=[8, 64]|ns=[48]|dim=0|")
 
     # --force measures the cached key again and replaces its entry.
-    forced = _tune("--world", "2", "--threads", "1", "--dtype", "float32", "--case", CASE, "--cache", str(cache),
-                   "--force")
+    forced = _tune(
+        "--world", "2", "--threads", "1", "--dtype", "float32", "--case", CASE, "--cache", str(cache), "--force"
+    )
     rows = _table_rows(forced)
     assert len(rows) == 1 and " measured " in rows[0], forced
     replaced = _plans(cache)
@@ -107,19 +125,22 @@ def test_tune_block_measures_then_reports_cached(tmp_path):
     assert replaced[case_key]["ms"] != after[case_key]["ms"]  # fresh timings (never equal to the microsecond)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--dim", "64"], "--dim describe a block, which needs --tokens"),
-    (["--tokens", "33"], "--tokens 33 must be divisible by --world 2"),
-    (["--tokens", "32", "--heads", "6"], "--dim 64 must be divisible by --heads 6"),
-    (["--tokens", "32", "--heads", "8", "--kv-heads", "3"], "--kv-heads 3 must be divisible by --world 2"),
-    (["--tokens", "32", "--hidden", "0"], "--hidden must be >= 1, got 0"),
-    (["--case", "rs:3x64:0:64"], "must be divisible by the 2 ranks"),
-    (["--case", "ag:64x64:0:32:4"], "a piece count (:4) fixes the plan"),
-    (["--case", "ag:64x64:-1:32", "--fp8", "rowwise"], "the FP8 form gathers rows"),
-    (["--world", "1", "--tokens", "32"], "--world must be >= 2"),
-    (["--threads", "0", "--tokens", "32"], "--threads must be >= 1, got 0"),
-    ([], "nothing to tune"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dim", "64"], "--dim describe a block, which needs --tokens"),
+        (["--tokens", "33"], "--tokens 33 must be divisible by --world 2"),
+        (["--tokens", "32", "--heads", "6"], "--dim 64 must be divisible by --heads 6"),
+        (["--tokens", "32", "--heads", "8", "--kv-heads", "3"], "--kv-heads 3 must be divisible by --world 2"),
+        (["--tokens", "32", "--hidden", "0"], "--hidden must be >= 1, got 0"),
+        (["--case", "rs:3x64:0:64"], "must be divisible by the 2 ranks"),
+        (["--case", "ag:64x64:0:32:4"], "a piece count (:4) fixes the plan"),
+        (["--case", "ag:64x64:-1:32", "--fp8", "rowwise"], "the FP8 form gathers rows"),
+        (["--world", "1", "--tokens", "32"], "--world must be >= 2"),
+        (["--threads", "0", "--tokens", "32"], "--threads must be >= 1, got 0"),
+        ([], "nothing to tune"),
+    ],
+)
 def test_bad_options_are_named(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         tune.main(args)

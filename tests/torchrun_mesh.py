@@ -13,8 +13,11 @@ def main():
     total = torch.tensor([rank + 1], device=mesh.device_type)
     dist.all_reduce(total, group=mesh["tp"].get_group())
     assert total.item() == 3, total
-    print(f"rank {rank}: mesh {mesh.mesh_dim_names} {tuple(mesh.shape)} on {mesh.device_type}, "
-          f"group {group_name(mesh['tp'])!r}, all_reduce sum {total.item()}", flush=True)
+    print(
+        f"rank {rank}: mesh {mesh.mesh_dim_names} {tuple(mesh.shape)} on {mesh.device_type}, "
+        f"group {group_name(mesh['tp'])!r}, all_reduce sum {total.item()}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

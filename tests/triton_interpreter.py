@@ -29,8 +29,10 @@ def interpreter_incompatibility() -> str | None:
     import triton
 
     if _version(triton.__version__) < (3, 8) and _version(numpy.__version__) >= (2, 4):
-        return (f"the interpreter of triton {triton.__version__} cannot run with numpy {numpy.__version__} "
-                "(int() of one-element arrays); install numpy<2.4 to run these tests")
+        return (
+            f"the interpreter of triton {triton.__version__} cannot run with numpy {numpy.__version__} "
+            "(int() of one-element arrays); install numpy<2.4 to run these tests"
+        )
     return None
 
 

@@ -78,6 +78,4 @@ at::Tensor amax_cpu(const at::Tensor& x, c10::string_view granularity) {
 }  // namespace cpu
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
-  m.impl("amax", &fastmesh::cpu::amax_cpu);
-}
+TORCH_LIBRARY_IMPL(fastmesh, CPU, m) { m.impl("amax", &fastmesh::cpu::amax_cpu); }

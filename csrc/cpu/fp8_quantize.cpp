@@ -93,13 +93,13 @@ using FormatTag = std::integral_constant<Fp8Format, kFormat>;
 using E4M3 = FormatTag<Fp8Format::kE4M3FN>;
 using E5M2 = FormatTag<Fp8Format::kE5M2>;
 
-#define FASTMESH_DEFINE_QUANTIZE_LOOPS(scalar_t, Tag)                                                                \
+#define FASTMESH_DEFINE_QUANTIZE_LOOPS(scalar_t, Tag)                                                               \
   FASTMESH_CPU_CLONES void quantize_panel(Panel<const scalar_t> x, int64_t block, const float* q, int64_t q_stride, \
-                                          Panel<uint8_t> out, Tag) {                                               \
-    quantize_panel_impl<scalar_t, Tag::value>(x, block, q, q_stride, out);                                         \
-  }                                                                                                                \
+                                          Panel<uint8_t> out, Tag) {                                                \
+    quantize_panel_impl<scalar_t, Tag::value>(x, block, q, q_stride, out);                                          \
+  }                                                                                                                 \
   FASTMESH_CPU_CLONES void quantize_columns(Panel<const scalar_t> x, const float* q, Panel<uint8_t> out, Tag) {     \
-    quantize_columns_impl<scalar_t, Tag::value>(x, q, out);                                                        \
+    quantize_columns_impl<scalar_t, Tag::value>(x, q, out);                                                         \
   }
 FASTMESH_DEFINE_QUANTIZE_LOOPS(float, E4M3)
 FASTMESH_DEFINE_QUANTIZE_LOOPS(float, E5M2)
@@ -284,22 +284,25 @@ void quantize_flat(const Job<scalar_t>& job) {
   const Panel<uint8_t> out{job.data, 1, numel, numel};
   float q;
   job.rule.multipliers(0, 1, &q);
-  const bits amax = at::parallel_reduce(0, numel, kGrainSize, bits{0}, [&](int64_t begin, int64_t end, bits acc) {
-    for (int64_t col0 = begin; col0 < end; col0 += kFlatChunk) {
-      const int64_t cols = std::min(kFlatChunk, end - col0);
-      const auto chunk = x.sub(0, col0, 1, cols);
-      if (!job.compute_amax) {
-        quantize_panel(chunk, cols, &q, 0, out.sub(0, col0, 1, cols), Tag{});
-        continue;
-      }
-      bits chunk_amax;
-      max_magnitude_blocks(as_bits(chunk), cols, &chunk_amax);
-      acc = max_bits(acc, chunk_amax);
-      const auto next = x.sub(0, col0 + cols, 1, std::min(kFlatChunk, numel - col0 - cols));
-      quantize_overlapped<scalar_t, Tag>(chunk, numel, &q, 0, out.sub(0, col0, 1, cols), next);
-    }
-    return acc;
-  }, [](bits a, bits b) { return max_bits(a, b); });
+  const bits amax = at::parallel_reduce(
+      0, numel, kGrainSize, bits{0},
+      [&](int64_t begin, int64_t end, bits acc) {
+        for (int64_t col0 = begin; col0 < end; col0 += kFlatChunk) {
+          const int64_t cols = std::min(kFlatChunk, end - col0);
+          const auto chunk = x.sub(0, col0, 1, cols);
+          if (!job.compute_amax) {
+            quantize_panel(chunk, cols, &q, 0, out.sub(0, col0, 1, cols), Tag{});
+            continue;
+          }
+          bits chunk_amax;
+          max_magnitude_blocks(as_bits(chunk), cols, &chunk_amax);
+          acc = max_bits(acc, chunk_amax);
+          const auto next = x.sub(0, col0 + cols, 1, std::min(kFlatChunk, numel - col0 - cols));
+          quantize_overlapped<scalar_t, Tag>(chunk, numel, &q, 0, out.sub(0, col0, 1, cols), next);
+        }
+        return acc;
+      },
+      [](bits a, bits b) { return max_bits(a, b); });
   if (job.compute_amax) job.amax[0] = to_float<scalar_t>(amax);
 }
 
@@ -433,20 +436,23 @@ void quantize_regions(const Job<scalar_t>& job) {
   const int64_t chunks = ceil_div(job.x.cols, kRegionCols);
   const int64_t regions = ceil_div(job.x.rows, kFp8Block) * chunks;
   const auto region_at = [&](int64_t i) { return region_panel(job.x, i / chunks, i % chunks * kRegionCols); };
-  const bits amax = at::parallel_reduce(0, regions, 1, bits{0}, [&](int64_t begin, int64_t end, bits acc) {
-    auto scratch = std::make_unique<RegionScratch<scalar_t>>();
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t stripe = i / chunks, col0 = i % chunks * kRegionCols;
-      const auto region = region_at(i);
-      const auto region_out = data_panel(job).sub(stripe * kFp8Block, col0, region.rows, region.cols);
-      const QLayout layout = region_multipliers(job, stripe, col0, region, *scratch, acc);
-      const auto next = i + 1 < regions ? region_at(i + 1) : job.x.sub(0, 0, 0, 0);
-      quantize_overlapped<scalar_t, Tag>(region, layout.block, scratch->q, layout.q_stride, region_out, next);
-      if (job.data_t != nullptr) transpose_region<scalar_t, Tag>(job, stripe, col0, region, region_out, *scratch);
-    }
-    finish_row_stores();
-    return acc;
-  }, [](bits a, bits b) { return max_bits(a, b); });
+  const bits amax = at::parallel_reduce(
+      0, regions, 1, bits{0},
+      [&](int64_t begin, int64_t end, bits acc) {
+        auto scratch = std::make_unique<RegionScratch<scalar_t>>();
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t stripe = i / chunks, col0 = i % chunks * kRegionCols;
+          const auto region = region_at(i);
+          const auto region_out = data_panel(job).sub(stripe * kFp8Block, col0, region.rows, region.cols);
+          const QLayout layout = region_multipliers(job, stripe, col0, region, *scratch, acc);
+          const auto next = i + 1 < regions ? region_at(i + 1) : job.x.sub(0, 0, 0, 0);
+          quantize_overlapped<scalar_t, Tag>(region, layout.block, scratch->q, layout.q_stride, region_out, next);
+          if (job.data_t != nullptr) transpose_region<scalar_t, Tag>(job, stripe, col0, region, region_out, *scratch);
+        }
+        finish_row_stores();
+        return acc;
+      },
+      [](bits a, bits b) { return max_bits(a, b); });
   if (job.granularity == Granularity::kTensorwise && job.compute_amax) job.amax[0] = to_float<scalar_t>(amax);
 }
 
@@ -564,8 +570,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     write_scales(rule_t, *scale_t);
   } else if (transpose) {
     // Always a copy: outputs must not alias, and the transpose of a [n, 1] scale is already contiguous.
-    scale_t = parsed == Granularity::kTensorwise ? scale_out.clone()
-                                                 : scale_out.t().clone(at::MemoryFormat::Contiguous);
+    scale_t =
+        parsed == Granularity::kTensorwise ? scale_out.clone() : scale_out.t().clone(at::MemoryFormat::Contiguous);
   }
   return {data, scale_out, amax_out, data_t, scale_t};
 }
@@ -574,6 +580,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 }  // namespace cpu
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
-  m.impl("fp8_quantize_native", &fastmesh::cpu::fp8_quantize_cpu);
-}
+TORCH_LIBRARY_IMPL(fastmesh, CPU, m) { m.impl("fp8_quantize_native", &fastmesh::cpu::fp8_quantize_cpu); }

@@ -78,9 +78,8 @@ void max_magnitude_columns(Panel<const uint32_t> x, uint32_t* acc);
 template <typename Fn>
 void dispatch_float_input(at::ScalarType dtype, Fn&& fn) {
   AT_DISPATCH_SWITCH(dtype, "fastmesh_cpu",
-      AT_DISPATCH_CASE(at::kFloat, [&] { fn(scalar_t{}); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] { fn(scalar_t{}); })
-      AT_DISPATCH_CASE(at::kHalf, [&] { fn(scalar_t{}); }));
+                     AT_DISPATCH_CASE(at::kFloat, [&] { fn(scalar_t{}); }) AT_DISPATCH_CASE(
+                         at::kBFloat16, [&] { fn(scalar_t{}); }) AT_DISPATCH_CASE(at::kHalf, [&] { fn(scalar_t{}); }));
 }
 
 template <typename scalar_t>
@@ -107,11 +106,14 @@ float tensor_amax(Panel<const scalar_t> x) {
   using bits = bits_t<scalar_t>;
   const int64_t numel = x.rows * x.cols;
   const Panel<const scalar_t> flat{x.data, 1, numel, numel};
-  const bits result = at::parallel_reduce(0, numel, kGrainSize, bits{0}, [&](int64_t begin, int64_t end, bits acc) {
-    bits chunk;
-    max_magnitude_blocks(as_bits(flat.sub(0, begin, 1, end - begin)), end - begin, &chunk);
-    return max_bits(acc, chunk);
-  }, [](bits a, bits b) { return max_bits(a, b); });
+  const bits result = at::parallel_reduce(
+      0, numel, kGrainSize, bits{0},
+      [&](int64_t begin, int64_t end, bits acc) {
+        bits chunk;
+        max_magnitude_blocks(as_bits(flat.sub(0, begin, 1, end - begin)), end - begin, &chunk);
+        return max_bits(acc, chunk);
+      },
+      [](bits a, bits b) { return max_bits(a, b); });
   return to_float<scalar_t>(result);
 }
 
@@ -155,8 +157,8 @@ void group_amax(Panel<const scalar_t> x, Granularity granularity, float* out) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t stripe = task / chunks, tile0 = task % chunks * kTilesPerTask;
       const int64_t row0 = stripe * kFp8Block, col0 = tile0 * kFp8Block;
-      const auto panel = x.sub(row0, col0, std::min(kFp8Block, x.rows - row0),
-                               std::min(kTilesPerTask * kFp8Block, x.cols - col0));
+      const auto panel =
+          x.sub(row0, col0, std::min(kFp8Block, x.rows - row0), std::min(kTilesPerTask * kFp8Block, x.cols - col0));
       tile_max_bits(as_bits(panel), columns.data(), tiles.data());
       write_amax<scalar_t>(tiles.data(), ceil_div(panel.cols, kFp8Block), out + stripe * grid.k + tile0);
     }

@@ -101,13 +101,11 @@ at::Tensor amax_cuda(const at::Tensor& x, c10::string_view granularity) {
 
 void launch_tensor_amax_bits(const at::Tensor& input, uint32_t* out_bits) {
   AT_DISPATCH_SWITCH(input.scalar_type(), "fastmesh_amax_cuda",
-      AT_DISPATCH_CASE(at::kFloat, [&] { launch_amax<float>(input, out_bits); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] { launch_amax<c10::BFloat16>(input, out_bits); })
-      AT_DISPATCH_CASE(at::kHalf, [&] { launch_amax<c10::Half>(input, out_bits); }));
+                     AT_DISPATCH_CASE(at::kFloat, [&] { launch_amax<float>(input, out_bits); })
+                         AT_DISPATCH_CASE(at::kBFloat16, [&] { launch_amax<c10::BFloat16>(input, out_bits); })
+                             AT_DISPATCH_CASE(at::kHalf, [&] { launch_amax<c10::Half>(input, out_bits); }));
 }
 
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {
-  m.impl("amax", &fastmesh::amax_cuda);
-}
+TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) { m.impl("amax", &fastmesh::amax_cuda); }

@@ -283,8 +283,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   // The tail, or the whole tensor when x is not 16-byte aligned: one element per thread and step.
   const auto* raw = reinterpret_cast<const typename L::bits_t*>(x);
-  for (int64_t i = num_vectors * L::kPerVector + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-       i < numel; i += static_cast<int64_t>(gridDim.x) * kThreads) {
+  for (int64_t i = num_vectors * L::kPerVector + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < numel;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
     const auto bits = raw[i];
     acc = L::word_max(acc, static_cast<uint32_t>(bits) & L::kMagnitudeMask);
     data[i] = cast_to_fp8_bits<kFormat>(__fmul_rn(L::to_float(bits), q));
@@ -442,7 +442,7 @@ struct TileArgs {
   GroupOutputs out;
   uint8_t* data_t = nullptr;  // null: no transposed output
   float* scale_t = nullptr;
-  uint32_t* amax_bits = nullptr;   // kTensorwise with a given scale: atomicMax of the returned amax
+  uint32_t* amax_bits = nullptr;    // kTensorwise with a given scale: atomicMax of the returned amax
   const float* row_amax = nullptr;  // kRowwise: per row of x
   const float* col_amax = nullptr;  // kRowwise: per column of x
   uint32_t* row_bits = nullptr;     // kBlock1x128 with out.data == null: atomicMax of row maxima ...
@@ -779,8 +779,8 @@ template <typename scalar_t, Fp8Format kFormat>
 void launch_row_groups(const at::Tensor& x, Rows rows, int64_t group_cols, const ScaleSource& source,
                        const GroupOutputs& out) {
   constexpr int kN = per_vector<scalar_t>();
-  const bool aligned = aligned16(x.const_data_ptr()) && (out.data == nullptr || aligned16(out.data)) &&
-                       rows.k % kN == 0;
+  const bool aligned =
+      aligned16(x.const_data_ptr()) && (out.data == nullptr || aligned16(out.data)) && rows.k % kN == 0;
   const int64_t vectors_per_group = (std::min(group_cols, rows.k) + kN - 1) / kN;
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (vectors_per_group <= kWarpSize) {
@@ -790,8 +790,8 @@ void launch_row_groups(const at::Tensor& x, Rows rows, int64_t group_cols, const
     const int64_t groups_per_row = (rows.k + group_cols - 1) / group_cols;
     const int64_t groups_per_step = static_cast<int64_t>(kThreads / lanes) * kUnroll;
     const int64_t work = (rows.m * groups_per_row + groups_per_step - 1) / groups_per_step;
-    kernel<<<grid_size(resident, work), kThreads, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), rows.m, rows.k, group_cols, groups_per_row, lanes, aligned, source, out);
+    kernel<<<grid_size(resident, work), kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), rows.m, rows.k, group_cols,
+                                                               groups_per_row, lanes, aligned, source, out);
   } else {
     const auto kernel = row_kernel<scalar_t, kFormat>;
     static const int resident = resident_blocks(kernel);
@@ -866,10 +866,9 @@ QuantizeResult fp8_quantize_cuda(const at::Tensor& x, at::ScalarType dtype, c10:
     const int64_t count = std::max(groups, groups_t);
     if (count > 0) {
       const auto blocks = static_cast<unsigned>(std::min<int64_t>((count + kThreads - 1) / kThreads, 1024));
-      empty_groups_kernel<<<blocks, kThreads, 0, stream>>>(groups, groups_t, source,
-                                                             granularity == Granularity::kTensorwise,
-                                                             scale_out.mutable_data_ptr<float>(),
-                                                             amax_out.mutable_data_ptr<float>(), scale_t_ptr);
+      empty_groups_kernel<<<blocks, kThreads, 0, stream>>>(
+          groups, groups_t, source, granularity == Granularity::kTensorwise, scale_out.mutable_data_ptr<float>(),
+          amax_out.mutable_data_ptr<float>(), scale_t_ptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     return {data, scale_out, amax_out, data_t, scale_t};
@@ -972,7 +971,7 @@ at::Tensor group_amax_cuda(const at::Tensor& input, Granularity granularity) {
     switch (granularity) {
       case Granularity::kRowwise:
         launch_row_groups<scalar_t, Fp8Format::kE4M3FN>(input, rows, std::max<int64_t>(rows.k, 1), ScaleSource{},
-                                                         outputs);
+                                                        outputs);
         break;
       case Granularity::kBlock1x128:
         launch_row_groups<scalar_t, Fp8Format::kE4M3FN>(input, rows, kTile, ScaleSource{}, outputs);
@@ -989,6 +988,4 @@ at::Tensor group_amax_cuda(const at::Tensor& input, Granularity granularity) {
 
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) {
-  m.impl("fp8_quantize_native", &fastmesh::fp8_quantize_cuda);
-}
+TORCH_LIBRARY_IMPL(fastmesh, CUDA, m) { m.impl("fp8_quantize_native", &fastmesh::fp8_quantize_cuda); }

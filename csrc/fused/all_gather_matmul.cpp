@@ -42,7 +42,8 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
   std::vector<std::vector<at::Tensor>> own(gathered.pieces.size());
   for (size_t p = 0; p < gathered.pieces.size(); ++p) {
     const Piece piece = gathered.pieces[p];
-    for (size_t i = 0; i < bs.size(); ++i) own[p].push_back(at::mm(shard_rows.narrow(0, piece.unit_begin, piece.units()), b_part(i, rank)));
+    for (size_t i = 0; i < bs.size(); ++i)
+      own[p].push_back(at::mm(shard_rows.narrow(0, piece.unit_begin, piece.units()), b_part(i, rank)));
   }
   std::vector<at::Tensor> out_rows;
   for (const at::Tensor& out : outs) out_rows.push_back(rows_view(out));
@@ -69,9 +70,11 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
 
 }  // namespace
 
-std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul(
-    const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim, c10::string_view group_name, bool return_a,
-    int64_t chunks, c10::string_view split) {
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul(const at::Tensor& a_shard,
+                                                                                 at::TensorList bs, int64_t gather_dim,
+                                                                                 c10::string_view group_name,
+                                                                                 bool return_a, int64_t chunks,
+                                                                                 c10::string_view split) {
   check_matmul_operand(a_shard, kOp, "a_shard", 1, INT64_MAX);
   const int64_t dim = wrap_dim(gather_dim, a_shard.dim(), kOp, "gather_dim", "a_shard");
   check_chunks(chunks, kOp);
@@ -134,9 +137,11 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
   std::vector<at::Tensor> out_blocks;
   for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
   const at::Tensor a_blocks = a_full ? rank_blocks_view(*a_full, layout, world) : at::Tensor();
-  gather_rows(group, shard, dim, a_full ? &a_blocks : nullptr, chunks, [&](int64_t j, Piece piece, const at::Tensor& rows) {
-    for (size_t i = 0; i < bs.size(); ++i) matmul_into(rank_block(out_blocks[i], layout, j, piece), rows, bs[i]);
-  });
+  gather_rows(group, shard, dim, a_full ? &a_blocks : nullptr, chunks,
+              [&](int64_t j, Piece piece, const at::Tensor& rows) {
+                for (size_t i = 0; i < bs.size(); ++i)
+                  matmul_into(rank_block(out_blocks[i], layout, j, piece), rows, bs[i]);
+              });
   return {a_full, outs};
 }
 

@@ -29,12 +29,14 @@ std::vector<int64_t> rowwise_sizes(at::IntArrayRef sizes) {
 }  // namespace
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_scaled_matmul(
-    const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales, int64_t gather_dim,
-    c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t chunks, c10::string_view split) {
+    const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales,
+    int64_t gather_dim, c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t chunks,
+    c10::string_view split) {
   check_fp8_operand(a_shard, kOp, "a_shard", 2, INT64_MAX);
   const int64_t dim = wrap_dim(gather_dim, a_shard.dim(), kOp, "gather_dim", "a_shard");
   TORCH_CHECK_VALUE(dim != a_shard.dim() - 1, kOp, ": the FP8 form gathers rows: gather_dim must not be the last dim (",
-                    gather_dim, " for a_shard with ", a_shard.dim(), " dims), since ranks' scales cannot share a dot product");
+                    gather_dim, " for a_shard with ", a_shard.dim(),
+                    " dims), since ranks' scales cannot share a dot product");
   bool any_rowwise = check_scale(a_scale, a_shard, rowwise_sizes(a_shard.sizes()), kOp, "a_scale", "a_shard");
   check_out_dtype(out_dtype, kOp);
   check_chunks(chunks, kOp);
@@ -66,8 +68,8 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   const std::vector<int64_t> full_sizes = with_size(a_shard.sizes(), dim, a_shard.size(dim) * world);
   const int64_t k = a_shard.size(-1);
   std::vector<at::Tensor> outs;
-  for (const at::Tensor& b : bs) outs.push_back(at::empty(with_size(full_sizes, a_shard.dim() - 1, b.size(1)),
-                                                          a_shard.options().dtype(out_dtype)));
+  for (const at::Tensor& b : bs)
+    outs.push_back(at::empty(with_size(full_sizes, a_shard.dim() - 1, b.size(1)), a_shard.options().dtype(out_dtype)));
   std::optional<at::Tensor> a_full, a_scale_full;
   if (return_a) {
     a_full = at::empty(full_sizes, a_shard.options());
@@ -99,8 +101,10 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
     const at::Tensor gathered_bytes = rank_blocks_view(gathered.view(at::kByte), layout, world);
     gather_rows(group, shard.view(at::kByte), dim, &gathered_bytes, 1, [](int64_t, Piece, const at::Tensor&) {});
     if (world > 1) scales_transfer.wait(0);
-    const at::Tensor gathered_scale = a_scale_full ? *a_scale_full : at::empty(rowwise_sizes(full_sizes), a_scale.options());
-    rank_blocks_view(gathered_scale, layout, world).copy_(scales.view({world, layout.outer, layout.inner, 1}).permute({1, 0, 2, 3}));
+    const at::Tensor gathered_scale =
+        a_scale_full ? *a_scale_full : at::empty(rowwise_sizes(full_sizes), a_scale.options());
+    rank_blocks_view(gathered_scale, layout, world)
+        .copy_(scales.view({world, layout.outer, layout.inner, 1}).permute({1, 0, 2, 3}));
     const at::Tensor a_rows = rows_view(gathered), scale_rows = rows_view(gathered_scale);
     for (size_t i = 0; i < bs.size(); ++i) {
       scaled_mm_into(rows_view(outs[i]).unsqueeze(0), a_rows, scale_rows, bs[i], b_scales[i]);

@@ -34,7 +34,8 @@ inline at::Tensor rank_blocks_view(const at::Tensor& t, const pipeline::RowLayou
 // [B, rows, C] part of rank `rank` of a [P, world, Q, C] view covering `piece`.
 inline at::Tensor rank_block(const at::Tensor& blocks, const pipeline::RowLayout& layout, int64_t rank,
                              pipeline::Piece piece) {
-  if (layout.outer == 1) return blocks.select(0, 0).select(0, rank).narrow(0, piece.unit_begin, piece.units()).unsqueeze(0);
+  if (layout.outer == 1)
+    return blocks.select(0, 0).select(0, rank).narrow(0, piece.unit_begin, piece.units()).unsqueeze(0);
   return blocks.narrow(0, piece.unit_begin, piece.units()).select(1, rank);
 }
 

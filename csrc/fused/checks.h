@@ -17,8 +17,8 @@ namespace fused {
 inline void check_matmul_operand(const at::Tensor& t, const char* op, const std::string& arg, int64_t min_dim,
                                  int64_t max_dim) {
   const auto dtype = t.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble,
-                   op, ": ", arg, " must be float32, bfloat16, float16 or float64, got ", torch_dtype_name(dtype));
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble, op,
+                   ": ", arg, " must be float32, bfloat16, float16 or float64, got ", torch_dtype_name(dtype));
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", arg, " must be a dense (strided) tensor, got ", t.layout());
   TORCH_CHECK_VALUE(t.dim() >= min_dim && t.dim() <= max_dim, op, ": ", arg, " must have ",
                     min_dim == max_dim ? std::to_string(min_dim) : "at least " + std::to_string(min_dim),
@@ -27,9 +27,8 @@ inline void check_matmul_operand(const at::Tensor& t, const char* op, const std:
 
 inline void check_like(const at::Tensor& t, const at::Tensor& reference, const char* op, const std::string& arg,
                        const char* reference_arg) {
-  TORCH_CHECK_TYPE(t.scalar_type() == reference.scalar_type(), op, ": ", arg, " must have ", reference_arg,
-                   "'s dtype ", torch_dtype_name(reference.scalar_type()), ", got ",
-                   torch_dtype_name(t.scalar_type()));
+  TORCH_CHECK_TYPE(t.scalar_type() == reference.scalar_type(), op, ": ", arg, " must have ", reference_arg, "'s dtype ",
+                   torch_dtype_name(reference.scalar_type()), ", got ", torch_dtype_name(t.scalar_type()));
   TORCH_CHECK_VALUE(t.device() == reference.device(), op, ": ", arg, " must be on ", reference_arg, "'s device ",
                     reference.device(), ", got ", t.device());
 }

@@ -17,17 +17,20 @@
 namespace fastmesh {
 namespace fused {
 
-std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul(
-    const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim, c10::string_view group_name, bool return_a,
-    int64_t chunks, c10::string_view split);
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul(const at::Tensor& a_shard,
+                                                                                 at::TensorList bs, int64_t gather_dim,
+                                                                                 c10::string_view group_name,
+                                                                                 bool return_a, int64_t chunks,
+                                                                                 c10::string_view split);
 
 at::Tensor matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
                                  c10::string_view reduce_op, c10::string_view group_name, int64_t chunks,
                                  c10::string_view split);
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_scaled_matmul(
-    const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales, int64_t gather_dim,
-    c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t chunks, c10::string_view split);
+    const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales,
+    int64_t gather_dim, c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t chunks,
+    c10::string_view split);
 
 at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                                         const at::Tensor& b_scale, int64_t scatter_dim, c10::string_view reduce_op,

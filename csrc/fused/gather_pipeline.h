@@ -39,7 +39,8 @@ class GatheredPieces {
     const int64_t k = shard_rows.size(1);
     pieces = pipeline::split_units(
         layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * k * shard_rows.element_size(), chunks));
-    at::Tensor storage = into_destination ? at::Tensor() : at::empty({world * shard_rows.numel()}, shard_rows.options());
+    at::Tensor storage =
+        into_destination ? at::Tensor() : at::empty({world * shard_rows.numel()}, shard_rows.options());
     int64_t offset = 0;
     for (size_t i = 0; i < pieces.size(); ++i) {
       const int64_t rows = pieces[i].units() * layout.unit_rows;
@@ -54,7 +55,8 @@ class GatheredPieces {
         if (j == rank) {
           piece_parts.push_back(mine);
         } else {
-          piece_parts.push_back(into_destination ? rank_block(*destination, layout, j, pieces[i]).select(0, 0) : buffer[j]);
+          piece_parts.push_back(into_destination ? rank_block(*destination, layout, j, pieces[i]).select(0, 0)
+                                                 : buffer[j]);
         }
       }
       if (p2p) {

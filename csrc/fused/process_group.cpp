@@ -5,8 +5,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/debug.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include <mutex>
 #include <set>
@@ -164,8 +164,8 @@ void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor,
   }
   std::ostringstream ranks;
   for (int64_t r = 0; r < world; ++r) ranks << "\n  rank " << r << ": " << describe(theirs + r * kShapeSlots);
-  TORCH_CHECK_VALUE(false, op, ": ", arg, " must have the same shape and dtype on every rank of the group, got:",
-                    ranks.str());
+  TORCH_CHECK_VALUE(false, op, ": ", arg,
+                    " must have the same shape and dtype on every rank of the group, got:", ranks.str());
 }
 
 }  // namespace fused

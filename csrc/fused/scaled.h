@@ -38,8 +38,8 @@ inline bool check_scale(const at::Tensor& scale, const at::Tensor& data, std::ve
                     data.device(), ", got ", scale.device());
   const bool rowwise = scale.dim() > 0;
   TORCH_CHECK_VALUE(!rowwise || scale.sizes() == at::IntArrayRef(rowwise_sizes), op, ": ", arg,
-                    " must be tensor-wise (shape []) or row-wise (shape ", at::IntArrayRef(rowwise_sizes), "), got shape ",
-                    scale.sizes());
+                    " must be tensor-wise (shape []) or row-wise (shape ", at::IntArrayRef(rowwise_sizes),
+                    "), got shape ", scale.sizes());
   return rowwise;
 }
 
@@ -48,14 +48,17 @@ inline bool check_scale(const at::Tensor& scale, const at::Tensor& data, std::ve
 inline void check_scales_supported(bool rowwise, const at::Device& device, const char* op) {
 #if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
   // Rather than _scaled_mm's internal assert.
-  TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || !device.is_cpu(), op, ": row-wise FP8 scales on CPU need torch >= 2.13 "
-                              "(torch ", TORCH_VERSION, "'s CPU _scaled_mm takes tensor-wise scales only)");
+  TORCH_CHECK_NOT_IMPLEMENTED(!rowwise || !device.is_cpu(), op,
+                              ": row-wise FP8 scales on CPU need torch >= 2.13 "
+                              "(torch ",
+                              TORCH_VERSION, "'s CPU _scaled_mm takes tensor-wise scales only)");
 #endif
 }
 
 inline void check_out_dtype(at::ScalarType out_dtype, const char* op) {
   TORCH_CHECK_TYPE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf, op,
-                   ": out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got ", torch_dtype_name(out_dtype));
+                   ": out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got ",
+                   torch_dtype_name(out_dtype));
 }
 
 // (a_rows * a_scale) @ (b * b_scale) in `out_dtype`, through torch._scaled_mm, which wants both scales

@@ -84,7 +84,8 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
         if (columns) {
           const int64_t n_part = n / world;
           const at::Tensor rows = a_rows.narrow(0, piece.unit_begin, piece.units());
-          const at::Tensor rows_scale = a_rowwise_scale ? a_scale_rows.narrow(0, piece.unit_begin, piece.units()) : a_scale;
+          const at::Tensor rows_scale =
+              a_rowwise_scale ? a_scale_rows.narrow(0, piece.unit_begin, piece.units()) : a_scale;
           const at::Tensor cols_scale = b_rowwise_scale ? b_scale.narrow(1, j * n_part, n_part) : b_scale;
           scaled_mm(rows, rows_scale, b.narrow(1, j * n_part, n_part), cols_scale, send.scalar_type(), &send);
           return;

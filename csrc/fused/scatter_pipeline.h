@@ -162,9 +162,10 @@ at::Tensor reduce_scatter_product(const Group& group, at::IntArrayRef a_sizes, i
 
   if (split != pipeline::Split::kRows) {
     const at::Tensor out_rows = rows_view(out);
-    const int64_t pieces = split == pipeline::Split::kNone
-                               ? 1
-                               : pipeline::choose_pieces(out_rows.size(1), out_rows.size(0) * out.element_size(), chunks);
+    const int64_t pieces =
+        split == pipeline::Split::kNone
+            ? 1
+            : pipeline::choose_pieces(out_rows.size(1), out_rows.size(0) * out.element_size(), chunks);
     scatter_column_pieces(group, out_rows, pieces, multiply_columns);
   } else if (dim == last) {
     const int64_t rows = out.numel() / out.size(-1);

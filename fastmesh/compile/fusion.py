@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import threading
-from typing import Optional
 
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -60,7 +59,7 @@ class FusionEntry:
     graph_kind: str
     collective: str
     node: str
-    fused_into: Optional[str]
+    fused_into: str | None
     matmuls: int
     detail: str
     unprofitable: bool = False
@@ -85,19 +84,28 @@ class FusionReport:
     def unfused(self) -> list[FusionEntry]:
         return [e for e in self.entries if not e.fused]
 
-    def count(self, fused_into: str, graph_kind: Optional[str] = None) -> int:
+    def count(self, fused_into: str, graph_kind: str | None = None) -> int:
         """How many collectives became ``fused_into`` (in graphs of ``graph_kind``, or in all)."""
         return sum(e.fused_into == fused_into and graph_kind in (None, e.graph_kind) for e in self.entries)
 
     def __str__(self) -> str:
         if not self.graphs:
-            return ("fastmesh fusion: no graph compiled with the pass since the report was reset (graphs served "
-                    "from inductor's caches do not run it)")
-        lines = [f"fastmesh fusion: {len(self.graphs)} graph(s), {len(self.fused)} collective(s) fused, "
-                 f"{len(self.unfused)} left"]
+            return (
+                "fastmesh fusion: no graph compiled with the pass since the report was reset (graphs served "
+                "from inductor's caches do not run it)"
+            )
+        lines = [
+            f"fastmesh fusion: {len(self.graphs)} graph(s), {len(self.fused)} collective(s) fused, "
+            f"{len(self.unfused)} left"
+        ]
         for e in self.entries:
-            outcome = (f"-> {e.fused_into} ({e.matmuls} matmul{'s' * (e.matmuls != 1)})" if e.fused
-                       else "left (not profitable)" if e.unprofitable else "left")
+            outcome = (
+                f"-> {e.fused_into} ({e.matmuls} matmul{'s' * (e.matmuls != 1)})"
+                if e.fused
+                else "left (not profitable)"
+                if e.unprofitable
+                else "left"
+            )
             lines.append(f"  graph {e.graph} ({e.graph_kind}) {e.collective} {e.node} {outcome}: {e.detail}")
         return "\n".join(lines)
 
@@ -140,7 +148,7 @@ def _graph_kind(graph: Graph) -> str:
     return "forward" if any(name.startswith("primals") for name in names) else "inference"
 
 
-def _torch_fused(node: Node) -> Optional[str]:
+def _torch_fused(node: Node) -> str | None:
     name = str(node.target) if node.op == "call_function" else ""
     return f"torch.{name.split('.default')[0]}" if name.startswith(_TORCH_FUSED_PREFIX) else None
 
@@ -160,10 +168,22 @@ def _scatter_detail(match: patterns.ScatterMatch) -> str:
 
 # collective name, its node target, matcher, rewriter, the match's matmuls, detail
 _RULES = (
-    ("all_gather", patterns.ALL_GATHER, patterns.match_all_gather, rewrite.fuse_all_gather,
-     lambda m: len(m.consumers), _gather_detail),
-    ("reduce_scatter", patterns.REDUCE_SCATTER, patterns.match_reduce_scatter, rewrite.fuse_reduce_scatter,
-     lambda m: len(m.terms), _scatter_detail),
+    (
+        "all_gather",
+        patterns.ALL_GATHER,
+        patterns.match_all_gather,
+        rewrite.fuse_all_gather,
+        lambda m: len(m.consumers),
+        _gather_detail,
+    ),
+    (
+        "reduce_scatter",
+        patterns.REDUCE_SCATTER,
+        patterns.match_reduce_scatter,
+        rewrite.fuse_reduce_scatter,
+        lambda m: len(m.terms),
+        _scatter_detail,
+    ),
 )
 
 
@@ -181,8 +201,17 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
         torch_op = _torch_fused(node)
         if torch_op is not None:
             collective = "all_gather" if "all_gather" in torch_op else "reduce_scatter"
-            entries.append(FusionEntry(index, kind, collective, node.name, torch_op, 1,
-                                       "fused by torch's _micro_pipeline_tp, which runs first"))
+            entries.append(
+                FusionEntry(
+                    index,
+                    kind,
+                    collective,
+                    node.name,
+                    torch_op,
+                    1,
+                    "fused by torch's _micro_pipeline_tp, which runs first",
+                )
+            )
     for collective, target, match_fn, fuse_fn, matmuls, detail in _RULES:
         # Match everything first: an FP8 gather carries its scales' gather, which must not be reported as left.
         found = [(node.name, match_fn(node)) for node in graph.nodes if node.target == target]
@@ -196,15 +225,23 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
                 scale_gather = getattr(match, "scale_gather", None)
                 if scale_gather is not None:  # the row-wise scales stay with their data's gather
                     outcomes[scale_gather.collective.name] = FusionEntry(
-                        index, kind, collective, scale_gather.collective.name, None, 0,
-                        f"the row-wise scales of {name}, left with it", unprofitable=True)
+                        index,
+                        kind,
+                        collective,
+                        scale_gather.collective.name,
+                        None,
+                        0,
+                        f"the row-wise scales of {name}, left with it",
+                        unprofitable=True,
+                    )
                 continue
             fused = fuse_fn(graph, match)
             if isinstance(fused, patterns.Unfusable):
                 outcomes[name] = FusionEntry(index, kind, collective, name, None, 0, fused.reason)
                 continue
-            outcomes[name] = FusionEntry(index, kind, collective, name, _op_name(fused), matmuls(match),
-                                         f"{fused.name}: {detail(match)}")
+            outcomes[name] = FusionEntry(
+                index, kind, collective, name, _op_name(fused), matmuls(match), f"{fused.name}: {detail(match)}"
+            )
             scale_gather = getattr(match, "scale_gather", None)
             if scale_gather is not None:
                 carried[scale_gather.collective.name] = name
@@ -212,8 +249,15 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
             if name in outcomes and outcomes[name].unprofitable:
                 continue
             if name in carried:
-                outcomes[name] = FusionEntry(index, kind, collective, name, outcomes[carried[name]].fused_into, 0,
-                                             f"the row-wise scales of {carried[name]}, carried by its fused op")
+                outcomes[name] = FusionEntry(
+                    index,
+                    kind,
+                    collective,
+                    name,
+                    outcomes[carried[name]].fused_into,
+                    0,
+                    f"the row-wise scales of {carried[name]}, carried by its fused op",
+                )
             elif name not in outcomes:
                 outcomes[name] = FusionEntry(index, kind, collective, name, None, 0, match.reason)
         entries += [outcomes[name] for name, _ in found]
@@ -223,24 +267,33 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
 
     report = FusionReport((kind,), tuple(entries))
     for e in report.fused:
-        logger.info("graph %d (%s): %s %s -> %s with %d matmul(s): %s", index, kind, e.collective, e.node,
-                    e.fused_into, e.matmuls, e.detail)
+        logger.info(
+            "graph %d (%s): %s %s -> %s with %d matmul(s): %s",
+            index,
+            kind,
+            e.collective,
+            e.node,
+            e.fused_into,
+            e.matmuls,
+            e.detail,
+        )
     for e in report.unfused:
         log = logger.info if e.unprofitable else logger.warning
         log("graph %d (%s): %s %s left unfused: %s", index, kind, e.collective, e.node, e.detail)
     cannot = [e for e in report.unfused if not e.unprofitable]
     if strict and cannot:
         left = "; ".join(f"{e.collective} {e.node}: {e.detail}" for e in cannot)
-        raise FusionError(f"fastmesh fusion (strict=True): graph {index} ({kind}) has collectives the pass "
-                          f"cannot fuse: {left}")
+        raise FusionError(
+            f"fastmesh fusion (strict=True): graph {index} ({kind}) has collectives the pass cannot fuse: {left}"
+        )
     return report
 
 
 _OPS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ops")
 # The pass's decisions also depend on the planner: its code, its mode and the cached plans (see uuid()).
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
-                 for name in ("fusion.py", "patterns.py", "profit.py", "rewrite.py")) + tuple(
-    os.path.join(_OPS, name) for name in ("plans.py", "plan_model.py"))
+_SOURCES = tuple(
+    os.path.join(os.path.dirname(__file__), name) for name in ("fusion.py", "patterns.py", "profit.py", "rewrite.py")
+) + tuple(os.path.join(_OPS, name) for name in ("plans.py", "plan_model.py"))
 
 
 class FusionPass(CustomGraphPass):
@@ -261,9 +314,11 @@ class FusionPass(CustomGraphPass):
         for previous in self._previous_passes():
             previous(graph)
 
-    def uuid(self) -> Optional[bytes]:
+    def uuid(self) -> bytes | None:
         cached = json.dumps(plans.cache().entries(), sort_keys=True)
-        digest = hashlib.sha256(get_hash_for_files(_SOURCES, extra=f"strict={self.strict};tune={plans.mode()};{cached}"))
+        digest = hashlib.sha256(
+            get_hash_for_files(_SOURCES, extra=f"strict={self.strict};tune={plans.mode()};{cached}")
+        )
         for previous in self._previous_passes():
             uuid = previous.uuid() if hasattr(previous, "uuid") else None
             if uuid is None:  # inductor cannot cache graphs compiled with an uncacheable pass

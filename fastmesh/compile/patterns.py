@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Optional, Union
 
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
+
+from fastmesh.ops._checks import FP8_DTYPES, MATMUL_DTYPES, REDUCE_OPS
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -40,10 +41,6 @@ MM = aten.mm.default
 ADDMM = aten.addmm.default
 SCALED_MM = aten._scaled_mm.default
 DTYPE_VIEW = aten.view.dtype
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# The dtypes the fastmesh ops multiply (fastmesh/ops/_checks.py); FP8 data goes through the scaled forms.
-MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-REDUCE_OPS = ("sum", "avg")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +56,10 @@ class Consumer:
     ``_scaled_mm(view or gathered, b, scale_a, scale_b, ...)`` (its arguments by name in ``scaled``)."""
 
     matmul: Node
-    view: Optional[Node]  # the last reshape before the matmul (2-D), None if the matmul reads the gathered tensor
+    view: Node | None  # the last reshape before the matmul (2-D), None if the matmul reads the gathered tensor
     b: Node
-    bias: Optional[Node]
-    scaled: Optional[dict] = None
+    bias: Node | None
+    scaled: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +88,9 @@ class GatherMatch:
     views: tuple[Node, ...]  # the reshapes between the gathered tensor and the matmuls, users first
     consumers: tuple[Consumer, ...]
     return_a: bool  # the gathered tensor (or its gathered row-wise scales) has other users than the matmuls
-    a_scale: Optional[Node] = None  # FP8: the shard's scale (tensor-wise, or the row-wise scales' shard)
-    scale_gather: Optional[ScaleGather] = None  # FP8 row-wise: the scales' own all-gather, fused too
-    out_dtype: Optional[torch.dtype] = None  # FP8: the _scaled_mm output dtype
+    a_scale: Node | None = None  # FP8: the shard's scale (tensor-wise, or the row-wise scales' shard)
+    scale_gather: ScaleGather | None = None  # FP8 row-wise: the scales' own all-gather, fused too
+    out_dtype: torch.dtype | None = None  # FP8: the _scaled_mm output dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +104,10 @@ class ScatterMatch:
     terms: tuple[Node, ...]  # the mm nodes whose sum (through reshapes) is ``product``
     shape_args: list  # ``product``'s shape as reshape arguments (ints and SymInt nodes of the graph)
     chain: tuple[Node, ...]  # every node between the mms and the wait, erased after the rewrite
-    scaled: Optional[dict] = None  # FP8: the one term's _scaled_mm arguments by name
+    scaled: dict | None = None  # FP8: the one term's _scaled_mm arguments by name
 
 
-def _val(node) -> Optional[torch.Tensor]:
+def _val(node) -> torch.Tensor | None:
     value = node.meta.get("val") if isinstance(node, Node) else None
     return value if isinstance(value, torch.Tensor) else None
 
@@ -161,7 +158,7 @@ def _same_on_every_rank(node: Node) -> bool:
     return True
 
 
-def _fp8_view(node: Node) -> Optional[Node]:
+def _fp8_view(node: Node) -> Node | None:
     """The only user of ``node`` if it reinterprets it as FP8 (gloo gathers FP8 bytes as uint8)."""
     users = list(node.users)
     if len(users) == 1 and users[0].target == DTYPE_VIEW and users[0].args[1] in FP8_DTYPES:
@@ -194,7 +191,7 @@ def _gathered_tensor(collective: Node):
     return wait, gathered, gather_dim, tuple(layout)
 
 
-def _scale_gather(scale: Node, shard: Node, gather_dim: int) -> Union[ScaleGather, Unfusable]:
+def _scale_gather(scale: Node, shard: Node, gather_dim: int) -> ScaleGather | Unfusable:
     """The all-gather whose result, through reshapes, is the row-wise ``scale`` of a gathered FP8 operand:
     the same group and layout as the data's, gathering a ``[..., 1]`` shard of the data shard's rows."""
     chain: list[Node] = []
@@ -208,8 +205,9 @@ def _scale_gather(scale: Node, shard: Node, gather_dim: int) -> Union[ScaleGathe
     collective = source.args[0] if source.target == WAIT else None
     found = _gathered_tensor(collective) if collective is not None and collective.target == ALL_GATHER else None
     if found is None or found[1] is not node or found[2] != gather_dim:
-        return Unfusable("the row-wise scale of the gathered FP8 operand is not the all-gather of a scale shard "
-                         "along the same dim")
+        return Unfusable(
+            "the row-wise scale of the gathered FP8 operand is not the all-gather of a scale shard along the same dim"
+        )
     wait, gathered, _, layout = found
     scale_shard = collective.args[0]
     want = tuple(_val(shard).shape[:-1]) + (1,)
@@ -251,18 +249,23 @@ def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node], list[Node
     value = _val(gathered)
     consumers, others, views = [], [], []
 
-    def as_consumer(user: Node, operand: Node) -> Optional[Consumer]:
+    def as_consumer(user: Node, operand: Node) -> Consumer | None:
         if user.target == MM and user.args[0] is operand and user.args[1] is not operand:
             return Consumer(user, None, user.args[1], None)
-        if (user.target == ADDMM and len(user.args) == 3 and not user.kwargs
-                and user.args[1] is operand and user.args[2] is not operand):
+        if (
+            user.target == ADDMM
+            and len(user.args) == 3
+            and not user.kwargs
+            and user.args[1] is operand
+            and user.args[2] is not operand
+        ):
             return Consumer(user, None, user.args[2], user.args[0])
         if user.target == SCALED_MM and user.args[0] is operand:
             scaled = _scaled_mm_args(user)
             return Consumer(user, None, scaled["mat2"], scaled["bias"], scaled)
         return None
 
-    def visit(node: Node, view: Optional[Node]) -> None:
+    def visit(node: Node, view: Node | None) -> None:
         node_value = _val(node)
         is_matrix = node_value is not None and node_value.dim() == 2 and _same(node_value.shape[1], value.shape[-1])
         for user in node.users:
@@ -280,12 +283,13 @@ def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node], list[Node
     return consumers, others, views[::-1]
 
 
-def match_all_gather(collective: Node) -> Union[GatherMatch, Unfusable]:
+def match_all_gather(collective: Node) -> GatherMatch | Unfusable:
     shard, _, group_name = collective.args[:3]
     found = _gathered_tensor(collective)
     if found is None:
-        return Unfusable(f"the all-gather's result is used before or besides its wait_tensor "
-                         f"({_describe(collective.users)})")
+        return Unfusable(
+            f"the all-gather's result is used before or besides its wait_tensor ({_describe(collective.users)})"
+        )
     wait, gathered, gather_dim, layout_nodes = found
     gathered_value = _val(gathered)
     if gathered_value is None or gathered_value.dim() == 0:
@@ -297,33 +301,52 @@ def match_all_gather(collective: Node) -> Union[GatherMatch, Unfusable]:
         shard = shard.args[0]
     consumers, others, views = _consumers_of(gathered)
     if not consumers:
-        return Unfusable(f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through "
-                         f"reshapes to 2-D; its users: {_describe(gathered.users)}")
+        return Unfusable(
+            f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through "
+            f"reshapes to 2-D; its users: {_describe(gathered.users)}"
+        )
     if not fp8 and gathered_value.dtype not in MATMUL_DTYPES:
-        return Unfusable(f"the gathered tensor is {gathered_value.dtype}; the fused ops multiply "
-                         f"{', '.join(map(str, MATMUL_DTYPES + FP8_DTYPES))}")
+        return Unfusable(
+            f"the gathered tensor is {gathered_value.dtype}; the fused ops multiply "
+            f"{', '.join(map(str, MATMUL_DTYPES + FP8_DTYPES))}"
+        )
     for consumer in consumers:
         b_value = _val(consumer.b)
         if b_value is None or (b_value.dtype != gathered_value.dtype and not fp8):
-            return Unfusable(f"matmul {consumer.matmul.name}: its right operand's dtype differs from the "
-                             f"gathered tensor's {gathered_value.dtype}")
+            return Unfusable(
+                f"matmul {consumer.matmul.name}: its right operand's dtype differs from the "
+                f"gathered tensor's {gathered_value.dtype}"
+            )
         if (consumer.scaled is not None) != fp8:
-            return Unfusable(f"matmul {consumer.matmul.name}: {'FP8 data in a plain matmul' if fp8 else 'a scaled matmul of high-precision data'}")
+            mismatch = "FP8 data in a plain matmul" if fp8 else "a scaled matmul of high-precision data"
+            return Unfusable(f"matmul {consumer.matmul.name}: {mismatch}")
         if any(gathered in _ancestors(arg) for arg in (consumer.b, consumer.bias) if isinstance(arg, Node)):
             return Unfusable(f"matmul {consumer.matmul.name}: its other operands depend on the gathered tensor")
-    match = GatherMatch(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes, tuple(views),
-                        tuple(consumers), return_a=bool(others))
+    match = GatherMatch(
+        collective,
+        wait,
+        shard,
+        gather_dim,
+        group_name,
+        gathered,
+        layout_nodes,
+        tuple(views),
+        tuple(consumers),
+        return_a=bool(others),
+    )
     return _with_scales(match) if fp8 else match
 
 
-def _with_scales(match: GatherMatch) -> Union[GatherMatch, Unfusable]:
+def _with_scales(match: GatherMatch) -> GatherMatch | Unfusable:
     """The FP8 form: one output dtype and one scale of the gathered operand for every _scaled_mm; a tensor-wise
     scale must be the same on every rank (the fused op dequantizes each rank's rows with that rank's scale, the
     native graph all rows with its own), a row-wise one is the all-gather of the scales, fused too."""
     args = [c.scaled for c in match.consumers]
     for consumer, scaled in zip(match.consumers, args):
         if scaled["bias"] is not None or scaled["scale_result"] is not None:
-            return Unfusable(f"_scaled_mm {consumer.matmul.name} has a bias or scale_result, which the fused op has not")
+            return Unfusable(
+                f"_scaled_mm {consumer.matmul.name} has a bias or scale_result, which the fused op has not"
+            )
     if len({a["out_dtype"] for a in args}) != 1:
         return Unfusable("the _scaled_mm consumers have different out_dtypes (one fused op has one)")
     scale = args[0]["scale_a"]
@@ -333,8 +356,10 @@ def _with_scales(match: GatherMatch) -> Union[GatherMatch, Unfusable]:
     out_dtype = args[0]["out_dtype"] or _val(match.gathered).dtype
     if scale_value is not None and scale_value.dim() == 0:
         if not _same_on_every_rank(scale):
-            return Unfusable("the tensor-wise scale_a is not provably the same on every rank (derive it from an "
-                             "all-reduced amax, or use row-wise scales)")
+            return Unfusable(
+                "the tensor-wise scale_a is not provably the same on every rank (derive it from an "
+                "all-reduced amax, or use row-wise scales)"
+            )
         return dataclasses.replace(match, a_scale=scale, out_dtype=out_dtype)
     scale_gather = _scale_gather(scale, match.shard, match.gather_dim)
     if isinstance(scale_gather, Unfusable):
@@ -342,10 +367,16 @@ def _with_scales(match: GatherMatch) -> Union[GatherMatch, Unfusable]:
     # Users of the gathered scales other than the matmuls (through the reshapes to scale_a) need them returned.
     reshapes = set(scale_gather.reshapes)
     matmuls = {c.matmul for c in match.consumers}
-    scale_others = [u for n in reshapes | {scale_gather.gathered} for u in n.users
-                    if u not in reshapes and u not in matmuls]
-    return dataclasses.replace(match, a_scale=scale_gather.shard, scale_gather=scale_gather, out_dtype=out_dtype,
-                               return_a=match.return_a or bool(scale_others))
+    scale_others = [
+        u for n in reshapes | {scale_gather.gathered} for u in n.users if u not in reshapes and u not in matmuls
+    ]
+    return dataclasses.replace(
+        match,
+        a_scale=scale_gather.shard,
+        scale_gather=scale_gather,
+        out_dtype=out_dtype,
+        return_a=match.return_a or bool(scale_others),
+    )
 
 
 def _strip_reshapes(node: Node, chain: list[Node]) -> Node:
@@ -355,7 +386,7 @@ def _strip_reshapes(node: Node, chain: list[Node]) -> Node:
     return node
 
 
-def _product_terms(product: Node, chain: list[Node]) -> Union[list[Node], Unfusable]:
+def _product_terms(product: Node, chain: list[Node]) -> list[Node] | Unfusable:
     """The mm nodes that sum (through reshapes that keep the last dim) to ``product``; every node on the
     way must have no other user, or the matmul would have to run anyway."""
     value = _val(product)
@@ -382,8 +413,10 @@ def _product_terms(product: Node, chain: list[Node]) -> Union[list[Node], Unfusa
         chain.append(node)
         return [node]
     if node.target == ADDMM:
-        return Unfusable(f"{node.name} is an addmm: a bias added before the reduce-scatter would be summed over "
-                         "ranks; the pass fuses only mm")
+        return Unfusable(
+            f"{node.name} is an addmm: a bias added before the reduce-scatter would be summed over "
+            "ranks; the pass fuses only mm"
+        )
     if node.target == SCALED_MM:
         scaled = _scaled_mm_args(node)
         if scaled["bias"] is not None or scaled["scale_result"] is not None:
@@ -395,7 +428,7 @@ def _product_terms(product: Node, chain: list[Node]) -> Union[list[Node], Unfusa
     return Unfusable(f"the reduce-scatter's input is not a matmul or a sum of matmuls: {_describe([node])}")
 
 
-def _shape_args(product: Node, chain: list[Node]) -> Optional[list]:
+def _shape_args(product: Node, chain: list[Node]) -> list | None:
     """``product``'s shape as reshape arguments: plain ints, or the size arguments of a reshape in the chain
     that produces that shape (dynamic shapes: their size nodes already exist in the graph)."""
     value = _val(product)
@@ -409,7 +442,7 @@ def _shape_args(product: Node, chain: list[Node]) -> Optional[list]:
     return None
 
 
-def match_reduce_scatter(collective: Node) -> Union[ScatterMatch, Unfusable]:
+def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable:
     scattered, reduce_op, world, group_name = collective.args[:4]
     users = list(collective.users)
     waits = [u for u in users if u.target == WAIT]
@@ -424,10 +457,17 @@ def match_reduce_scatter(collective: Node) -> Union[ScatterMatch, Unfusable]:
         pieces = list(scattered.args[0])
         cat_dim = scattered.args[1] if len(scattered.args) > 1 else scattered.kwargs.get("dim", 0)
         split = pieces[0].args[0] if pieces[0].target is operator.getitem else None
-        if (cat_dim == 0 and split is not None and split.target == aten.split.Tensor and len(pieces) == world
-                and len(split.users) == world
-                and all(p.target is operator.getitem and p.args[0] is split and p.args[1] == i and len(p.users) == 1
-                        for i, p in enumerate(pieces))):
+        if (
+            cat_dim == 0
+            and split is not None
+            and split.target == aten.split.Tensor
+            and len(pieces) == world
+            and len(split.users) == world
+            and all(
+                p.target is operator.getitem and p.args[0] is split and p.args[1] == i and len(p.users) == 1
+                for i, p in enumerate(pieces)
+            )
+        ):
             source = split.args[0]
             value = _val(source)
             dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % value.dim()
@@ -448,12 +488,24 @@ def match_reduce_scatter(collective: Node) -> Union[ScatterMatch, Unfusable]:
     if scaled is not None and not dtypes <= set(FP8_DTYPES):
         return Unfusable(f"the scaled matmul's operands are {sorted(map(str, dtypes))}, not FP8")
     if scaled is None and (len(dtypes) != 1 or not dtypes <= set(MATMUL_DTYPES)):
-        return Unfusable(f"the matmul operands are {sorted(map(str, dtypes))}; the fused op multiplies one of "
-                         f"{', '.join(map(str, MATMUL_DTYPES))}")
+        return Unfusable(
+            f"the matmul operands are {sorted(map(str, dtypes))}; the fused op multiplies one of "
+            f"{', '.join(map(str, MATMUL_DTYPES))}"
+        )
     if len(terms) > 1 and not all(isinstance(_val(t.args[0]).shape[1], int) for t in terms):
         return Unfusable("a sum of matmuls with a symbolic contraction size")
     shape_args = _shape_args(product, chain)
     if shape_args is None:
         return Unfusable("the reduced tensor's symbolic shape is not available as reshape arguments")
-    return ScatterMatch(collective, waits[0], reduce_op, scatter_dim, group_name, product, tuple(terms),
-                        shape_args, tuple(chain), scaled)
+    return ScatterMatch(
+        collective,
+        waits[0],
+        reduce_op,
+        scatter_dim,
+        group_name,
+        product,
+        tuple(terms),
+        shape_args,
+        tuple(chain),
+        scaled,
+    )

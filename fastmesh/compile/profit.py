@@ -10,8 +10,6 @@ Shapes that are symbolic (``dynamic=True``) are fused, and the op plans each cal
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from fastmesh.compile import patterns
@@ -20,11 +18,11 @@ from fastmesh.ops.fused_collectives import gather_plan_call, scatter_plan_call
 from fastmesh.ops.fused_collectives_fp8 import scaled_gather_plan_call, scaled_scatter_plan_call
 
 
-def _static(t: Optional[torch.Tensor]) -> bool:
+def _static(t: torch.Tensor | None) -> bool:
     return t is not None and all(isinstance(size, int) for size in t.shape)
 
 
-def _gather_call(match: patterns.GatherMatch) -> Optional[plans.Call]:
+def _gather_call(match: patterns.GatherMatch) -> plans.Call | None:
     shard = patterns._val(match.shard)
     bs = [patterns._val(c.b) for c in match.consumers]
     if not (_static(shard) and all(_static(b) for b in bs)):
@@ -38,7 +36,7 @@ def _gather_call(match: patterns.GatherMatch) -> Optional[plans.Call]:
     return scaled_gather_plan_call(shard, a_scale, bs, dim, match.group_name, match.out_dtype)
 
 
-def _scatter_call(match: patterns.ScatterMatch) -> Optional[plans.Call]:
+def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
     product = patterns._val(match.product)
     terms = [(patterns._val(t.args[0]), patterns._val(t.args[1])) for t in match.terms]
     if not (_static(product) and all(_static(a) and _static(b) for a, b in terms)):
@@ -59,7 +57,7 @@ def _scatter_call(match: patterns.ScatterMatch) -> Optional[plans.Call]:
     return scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, match.group_name, out_dtype)
 
 
-def unprofitable(match) -> Optional[str]:
+def unprofitable(match) -> str | None:
     """Why fusing ``match`` (a GatherMatch or ScatterMatch) would not pay, or None to fuse it."""
     call = _gather_call(match) if isinstance(match, patterns.GatherMatch) else _scatter_call(match)
     if call is None or call.shape.world == 1:

@@ -56,8 +56,11 @@ def _erase(graph: Graph, nodes) -> None:
 def _is_transposed_contiguous(matrix: torch.Tensor) -> bool:
     rows, cols = matrix.shape
     # Decided without guards: sizes may be symbolic.
-    return (statically_known_true(matrix.stride(0) == 1) and statically_known_true(matrix.stride(1) == rows)
-            and not statically_known_true(cols == 1))
+    return (
+        statically_known_true(matrix.stride(0) == 1)
+        and statically_known_true(matrix.stride(1) == rows)
+        and not statically_known_true(cols == 1)
+    )
 
 
 def _cat_matrices(build: _NodeBuilder, matrices, dim: int) -> Node:
@@ -102,13 +105,28 @@ def fuse_all_gather(graph: Graph, match: GatherMatch):
     bs = [c.b for c in match.consumers]
     try:
         if match.a_scale is None:
-            fused = build.call(torch.ops.fastmesh.all_gather_matmul.default, match.shard, bs, match.gather_dim,
-                               match.group_name, match.return_a)
+            fused = build.call(
+                torch.ops.fastmesh.all_gather_matmul.default,
+                match.shard,
+                bs,
+                match.gather_dim,
+                match.group_name,
+                match.return_a,
+            )
             products = build.call(operator.getitem, fused, 1)
         else:
             b_scales = [c.scaled["scale_b"] for c in match.consumers]
-            fused = build.call(torch.ops.fastmesh.all_gather_scaled_matmul.default, match.shard, match.a_scale, bs,
-                               b_scales, match.gather_dim, match.group_name, match.out_dtype, match.return_a)
+            fused = build.call(
+                torch.ops.fastmesh.all_gather_scaled_matmul.default,
+                match.shard,
+                match.a_scale,
+                bs,
+                b_scales,
+                match.gather_dim,
+                match.group_name,
+                match.out_dtype,
+                match.return_a,
+            )
             products = build.call(operator.getitem, fused, 2)
         outputs = []
         for index, consumer in enumerate(match.consumers):
@@ -162,12 +180,26 @@ def fuse_reduce_scatter(graph: Graph, match: ScatterMatch):
             if scaled and a_scale.meta["val"].dim() == 2:  # row-wise: one scale per row of a
                 a_scale = build.call(aten.reshape.default, a_scale, [*lead, 1])
         if scaled:
-            fused = build.call(torch.ops.fastmesh.scaled_matmul_reduce_scatter.default, a, a_scale, b,
-                               scaled["scale_b"], match.scatter_dim, match.reduce_op, match.group_name,
-                               scaled["out_dtype"] or a.meta["val"].dtype)
+            fused = build.call(
+                torch.ops.fastmesh.scaled_matmul_reduce_scatter.default,
+                a,
+                a_scale,
+                b,
+                scaled["scale_b"],
+                match.scatter_dim,
+                match.reduce_op,
+                match.group_name,
+                scaled["out_dtype"] or a.meta["val"].dtype,
+            )
         else:
-            fused = build.call(torch.ops.fastmesh.matmul_reduce_scatter.default, a, b, match.scatter_dim,
-                               match.reduce_op, match.group_name)
+            fused = build.call(
+                torch.ops.fastmesh.matmul_reduce_scatter.default,
+                a,
+                b,
+                match.scatter_dim,
+                match.reduce_op,
+                match.group_name,
+            )
     except Exception as error:
         build.undo()
         return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")

@@ -41,15 +41,18 @@ class Float8Config:
     def __post_init__(self):
         for name in ("dtype", "grad_dtype"):
             if getattr(self, name) not in FP8_DTYPES:
-                raise TypeError(f"Float8Config: {name} must be torch.float8_e4m3fn or torch.float8_e5m2, "
-                                f"got {getattr(self, name)}")
+                raise TypeError(
+                    f"Float8Config: {name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {getattr(self, name)}"
+                )
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"Float8Config: granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.scaling not in SCALINGS:
             raise ValueError(f"Float8Config: scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if self.scaling == "delayed" and self.granularity != "tensorwise":
-            raise ValueError("Float8Config: delayed scaling keeps one amax history per tensor; it needs "
-                             f"granularity='tensorwise', got {self.granularity!r}")
+            raise ValueError(
+                "Float8Config: delayed scaling keeps one amax history per tensor; it needs "
+                f"granularity='tensorwise', got {self.granularity!r}"
+            )
         check_history(self.history_len, self.amax_compute, self.margin, "Float8Config")
 
 

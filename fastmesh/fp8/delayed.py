@@ -34,8 +34,14 @@ class DelayedScaling:
         >>> qx = recipe.quantize(x)          # scale from history, then history updated with qx.amax
     """
 
-    def __init__(self, history_len: int = 16, amax_compute: str = "max", margin: int = 0,
-                 dtype: torch.dtype = torch.float8_e4m3fn, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        history_len: int = 16,
+        amax_compute: str = "max",
+        margin: int = 0,
+        dtype: torch.dtype = torch.float8_e4m3fn,
+        device: torch.device | str | None = None,
+    ):
         check_history(history_len, amax_compute, margin, "DelayedScaling")
         check_fp8_dtype(dtype, "DelayedScaling")
         self.amax_compute = amax_compute
@@ -46,7 +52,7 @@ class DelayedScaling:
     def scale(self) -> torch.Tensor:
         """The dequantization scale (0-d float32) for the next quantize."""
         amax = self.amax_history.max() if self.amax_compute == "max" else self.amax_history[0]
-        scale = amax * (2.0 ** self.margin) / _FP8_MAX[self.dtype]
+        scale = amax * (2.0**self.margin) / _FP8_MAX[self.dtype]
         return torch.where(amax == 0, torch.ones_like(scale), scale)
 
     def update(self, amax: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """fastmesh's custom ops: schemas (``_library``), fake impls, autograd and Python fronts."""
 
-from fastmesh.ops import _library
+from fastmesh.ops import _library  # noqa: F401  (defines the schemas on import)
 from fastmesh.ops.amax import amax
 from fastmesh.ops.fp8 import Float8Quantized, quantize
 from fastmesh.ops.fused_collectives import all_gather_matmul, matmul_reduce_scatter

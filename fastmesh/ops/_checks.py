@@ -10,8 +10,10 @@ import math
 
 import torch
 
-FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # what fp8 quantize casts from
+MATMUL_DTYPES = (*FLOAT_INPUTS, torch.float64)  # the high-precision fused ops' operands
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+REDUCE_OPS = ("sum", "avg")
 GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128")
 BLOCK = 128
 # Fewest dims of x each granularity is defined for.

@@ -35,15 +35,18 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 
 def _wrap(local: torch.Tensor, mesh, placement, shape) -> DTensor:
-    return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_strides(shape))
+    return DTensor.from_local(
+        local, mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=_contiguous_strides(shape)
+    )
 
 
 def _mesh_of(t: DTensor, op: str, arg: str):
     mesh = t.device_mesh
     if mesh.ndim != 1:
-        raise ValueError(f"{op}: {arg} must be a DTensor on a 1-D mesh (the TP group), got a {mesh.ndim}-D mesh; "
-                         "pass the TP axis's local tensor or a DTensor on mesh['tp']")
+        raise ValueError(
+            f"{op}: {arg} must be a DTensor on a 1-D mesh (the TP group), got a {mesh.ndim}-D mesh; "
+            "pass the TP axis's local tensor or a DTensor on mesh['tp']"
+        )
     return mesh
 
 
@@ -69,26 +72,33 @@ def _local_b(b, mesh, op: str, arg: str, allowed: tuple, hint: str):
 def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, chunks, fp8):
     op = "fastmesh.all_gather_matmul"
     if not is_dtensor(a_shard):
-        raise TypeError(f"{op}: bs are DTensors, so a_shard must be a DTensor placed Shard(gather_dim) too, "
-                        f"got a {type(a_shard).__name__}")
+        raise TypeError(
+            f"{op}: bs are DTensors, so a_shard must be a DTensor placed Shard(gather_dim) too, "
+            f"got a {type(a_shard).__name__}"
+        )
     mesh = _mesh_of(a_shard, op, "a_shard")
     _check_group(group, mesh, op)
     dim = wrap_dim(gather_dim, a_shard.dim(), op, "gather_dim", "a_shard")
     if a_shard.placements[0] != Shard(dim):
-        raise ValueError(f"{op}: a_shard must be placed Shard({gather_dim}) (sharded along gather_dim), "
-                         f"got {a_shard.placements[0]!r}")
+        raise ValueError(
+            f"{op}: a_shard must be placed Shard({gather_dim}) (sharded along gather_dim), "
+            f"got {a_shard.placements[0]!r}"
+        )
     if a_shard.shape[dim] % mesh.size():
         # Uneven shards have different shapes on different ranks, which the transfers cannot take (gloo aborts
         # the process); the global shape tells, without communicating.
-        raise ValueError(f"{op}: a_shard is sharded unevenly: its global size {a_shard.shape[dim]} along gather_dim "
-                         f"{gather_dim} is not divisible by the mesh size {mesh.size()} (the fused ops gather equal "
-                         "shards)")
+        raise ValueError(
+            f"{op}: a_shard is sharded unevenly: its global size {a_shard.shape[dim]} along gather_dim "
+            f"{gather_dim} is not divisible by the mesh size {mesh.size()} (the fused ops gather equal "
+            "shards)"
+        )
     contraction = dim == a_shard.dim() - 1
     locals_, placements = [], []
     for i, b in enumerate(bs):
         allowed = (Replicate(),) if contraction else (Replicate(), Shard(1))
-        local, placement = _local_b(b, mesh, op, f"bs[{i}]", allowed,
-                                    "Replicate()" if contraction else "Replicate() or Shard(1)")
+        local, placement = _local_b(
+            b, mesh, op, f"bs[{i}]", allowed, "Replicate()" if contraction else "Replicate() or Shard(1)"
+        )
         locals_.append(local)
         placements.append(placement)
     a_local, outs = front(a_shard.to_local(), locals_, dim, group=mesh, return_a=return_a, chunks=chunks, fp8=fp8)
@@ -109,8 +119,10 @@ def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, chunks, fp
     mesh = _mesh_of(a, op, "a")
     _check_group(group, mesh, op)
     if a.placements[0] != Shard(a.dim() - 1):
-        raise ValueError(f"{op}: a must be placed Shard({a.dim() - 1}) (its contraction dim sharded, as a "
-                         f"row-parallel layer's input), got {a.placements[0]!r}")
+        raise ValueError(
+            f"{op}: a must be placed Shard({a.dim() - 1}) (its contraction dim sharded, as a "
+            f"row-parallel layer's input), got {a.placements[0]!r}"
+        )
     b_local, _ = _local_b(b, mesh, op, "b", (Shard(0),), "Shard(0) (rows matching a's shards)")
     out = front(a.to_local(), b_local, scatter_dim, group=mesh, reduce_op=reduce_op, chunks=chunks, fp8=fp8)
     dim = wrap_dim(scatter_dim, a.dim(), op, "scatter_dim", "a")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fastmesh.kernels.fused_reference import reduce_scatter
+from fastmesh.ops._checks import REDUCE_OPS
 
-REDUCE_OPS = ("sum", "avg")
 
 def resolve_group(group_name: str, op: str):
     """The live process group registered as ``group_name``, or a ValueError naming ``op``."""
@@ -26,6 +27,21 @@ def group_size(group_name: str, op: str) -> int:
     return resolve_group(group_name, op).size()
 
 
+def resolve_pieces(pieces, chunks, where: str, stacklevel: int = 3):
+    """The pipeline's piece count: ``pieces=``, or the deprecated alias ``chunks=`` with a FutureWarning.
+    ``stacklevel`` points the warning at the user's call (3: the caller of the function calling this)."""
+    if chunks is None:
+        return pieces
+    if pieces is not None:
+        raise TypeError(f"{where}: pass pieces= only; chunks= is its deprecated alias, and both were given")
+    warnings.warn(
+        f"{where}: chunks= is deprecated, use pieces= (the same number: pipeline pieces per rank)",
+        FutureWarning,
+        stacklevel=stacklevel,
+    )
+    return chunks
+
+
 def check_chunks(chunks, op: str) -> None:
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
         raise ValueError(f"{op}: chunks must be an int >= 0 (0 picks the count from the shapes), got {chunks!r}")
@@ -39,8 +55,10 @@ def check_reduce_op(reduce_op, op: str) -> None:
 def check_scattered_divisible(a_shape, n: int, dim: int, scatter_dim: int, world: int, op: str) -> None:
     scattered = n if dim == len(a_shape) - 1 else a_shape[dim]
     if scattered % world != 0:
-        raise ValueError(f"{op}: the scattered dim {scatter_dim} of a @ b has size {scattered}, which is not "
-                         f"divisible by the group size {world}")
+        raise ValueError(
+            f"{op}: the scattered dim {scatter_dim} of a @ b has size {scattered}, which is not "
+            f"divisible by the group size {world}"
+        )
 
 
 def gathered_shape(shape, dim: int, world: int) -> list:

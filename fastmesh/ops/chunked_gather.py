@@ -51,6 +51,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import os
 
@@ -76,6 +77,7 @@ def _kernels():
 
 
 # ---- when the path applies ----
+
 
 def enabled() -> bool:
     """The Triton path is opt-in (``FASTMESH_CUDA_CONSUMER_GEMM=1``) until it has been measured on GPUs."""
@@ -105,6 +107,7 @@ def unsupported_reason(a_shard: torch.Tensor, gather_dim: int, world: int) -> st
 
 # ---- the layout of one call ----
 
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GatherLayout:
     """Where each rank's rows arrive and where the gathered ``a`` puts them (module docstring, "Layout")."""
@@ -115,13 +118,14 @@ class GatherLayout:
     row_map: torch.Tensor | None  # int64 [W * shard rows]: arrival row -> gathered row; None where the same
 
 
-def gather_layout(shape: tuple[int, ...], dim: int, world: int, rank: int,
-                  pieces: tuple[tuple[int, int], ...]) -> GatherLayout:
+def gather_layout(
+    shape: tuple[int, ...], dim: int, world: int, rank: int, pieces: tuple[tuple[int, int], ...]
+) -> GatherLayout:
     """The layout of a contiguous shard of ``shape`` gathered along ``dim`` (not the last) over ``world`` ranks,
     sent in ``pieces`` (row ranges covering the shard's rows in order)."""
     shard_rows = math.prod(shape[:-1])
     inner = math.prod(shape[dim:-1])  # Q: rows of one [Q, K] slab
-    if pieces[0][0] != 0 or pieces[-1][1] != shard_rows or any(a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+    if pieces[0][0] != 0 or pieces[-1][1] != shard_rows or any(a[1] != b[0] for a, b in itertools.pairwise(pieces)):
         raise ValueError(f"pieces must cover the shard's {shard_rows} rows in order, got {list(pieces)}")
     sizes = [end - begin for begin, end in pieces for _ in range(world)]
     starts = [0]
@@ -141,19 +145,34 @@ def gather_layout(shape: tuple[int, ...], dim: int, world: int, rank: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _prepared(shape: tuple[int, ...], dim: int, world: int, rank: int, element_size: int, chunks: int,
-              config, device: torch.device):
+def _prepared(
+    shape: tuple[int, ...],
+    dim: int,
+    world: int,
+    rank: int,
+    element_size: int,
+    chunks: int,
+    config,
+    device: torch.device,
+):
     """(layout, the kernel's plan, the row map as an int64 index on the device or None), per call signature."""
     ext = _cpp_lib.load()
     pieces = tuple(tuple(piece) for piece in ext.gather_row_pieces(list(shape), dim, element_size, chunks))
     layout = gather_layout(shape, dim, world, rank, pieces)
-    plan = _kernels().chunk_plan(layout.chunk_starts, layout.order, config=config, device=device,
-                                 row_map=layout.row_map, out_rows=layout.chunk_starts[-1])
+    plan = _kernels().chunk_plan(
+        layout.chunk_starts,
+        layout.order,
+        config=config,
+        device=device,
+        row_map=layout.row_map,
+        out_rows=layout.chunk_starts[-1],
+    )
     index = None if layout.row_map is None else layout.row_map.to(device)
     return layout, plan, index
 
 
 # ---- transports ----
+
 
 @functools.cache
 def _high_priority_stream(device: torch.device) -> torch.cuda.Stream:
@@ -195,8 +214,9 @@ class CollectiveTransport:
         self._side = _SideStream(arrival[0].device)
         with self._side.enter():
             for piece, piece_flags in zip(arrival, flags):
-                work = dist.all_gather_into_tensor(piece.view(-1, piece.shape[-1]), piece[self.rank],
-                                                   group=self.group, async_op=True)
+                work = dist.all_gather_into_tensor(
+                    piece.view(-1, piece.shape[-1]), piece[self.rank], group=self.group, async_op=True
+                )
                 work.wait()  # CUDA: the side stream waits for the transfer; CPU: the host does
                 piece_flags.fill_(1)
 
@@ -238,6 +258,7 @@ class LoopbackTransport:
 
 # ---- the consumer's grid and errors ----
 
+
 def free_sms() -> int:
     """The SMs the consumer leaves to the producer: ``FASTMESH_CONSUMER_FREE_SMS`` (an int >= 1), default 16."""
     raw = os.environ.get(ENV_FREE_SMS, str(DEFAULT_FREE_SMS))
@@ -264,8 +285,10 @@ def describe_cuda_path() -> str:
     ValueError for a bad ``FASTMESH_CONSUMER_FREE_SMS``."""
     if not enabled():
         return f"the pipelined decomposition (the Triton consumer GEMM is opt-in: {ENV_ENABLE}=1)"
-    return (f"the Triton consumer GEMM where it applies ({ENV_ENABLE}=1; {free_sms()} SMs left to the transfer), "
-            "else the pipelined decomposition")
+    return (
+        f"the Triton consumer GEMM where it applies ({ENV_ENABLE}=1; {free_sms()} SMs left to the transfer), "
+        "else the pipelined decomposition"
+    )
 
 
 _pending: collections.deque = collections.deque()  # (event, pinned error word) of CUDA calls not yet checked
@@ -298,8 +321,16 @@ def _defer_check(error: torch.Tensor) -> None:
 
 # ---- the op ----
 
-def all_gather_chunked_matmul(shard: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, transport,
-                              return_a: bool, chunks: int = 0, max_spins: int | None = None):
+
+def all_gather_chunked_matmul(
+    shard: torch.Tensor,
+    bs: list[torch.Tensor],
+    gather_dim: int,
+    transport,
+    return_a: bool,
+    chunks: int = 0,
+    max_spins: int | None = None,
+):
     """``(a if return_a else None, [a @ b for b in bs])`` with ``a`` the shards of ``transport``'s ranks
     concatenated along ``gather_dim`` (not the last), through the consumer GEMM (module docstring).
 
@@ -313,8 +344,9 @@ def all_gather_chunked_matmul(shard: torch.Tensor, bs: list[torch.Tensor], gathe
     shard = shard.contiguous()
     world, rank, device = transport.world, transport.rank, shard.device
     config = cm.default_config(shard.dtype)
-    layout, plan, index = _prepared(tuple(shard.shape), gather_dim, world, rank, shard.element_size(), chunks,
-                                    config, device)
+    layout, plan, index = _prepared(
+        tuple(shard.shape), gather_dim, world, rank, shard.element_size(), chunks, config, device
+    )
     k = shard.shape[-1]
     shard_rows = shard.view(-1, k)
 
@@ -322,7 +354,7 @@ def all_gather_chunked_matmul(shard: torch.Tensor, bs: list[torch.Tensor], gathe
     blocks = []
     offset = 0
     for begin, end in layout.pieces:
-        block = arrival[offset:offset + world * (end - begin)].view(world, end - begin, k)
+        block = arrival[offset : offset + world * (end - begin)].view(world, end - begin, k)
         block[rank].copy_(shard_rows[begin:end])
         blocks.append(block)
         offset += world * (end - begin)
@@ -338,14 +370,29 @@ def all_gather_chunked_matmul(shard: torch.Tensor, bs: list[torch.Tensor], gathe
     outs = []
     for b in bs:
         out = torch.empty(full_shape[:-1] + [b.shape[1]], dtype=shard.dtype, device=device)
-        cm.launch_chunked_matmul(plan, arrival, b, out.view(plan.out_rows, b.shape[1]), flags.view(-1), error,
-                                 max_spins=spins, max_programs=programs)
+        cm.launch_chunked_matmul(
+            plan,
+            arrival,
+            b,
+            out.view(plan.out_rows, b.shape[1]),
+            flags.view(-1),
+            error,
+            max_spins=spins,
+            max_programs=programs,
+        )
         outs.append(out)
     transport.join()
     a_full = None
     if return_a:
-        a_full = arrival.view(full_shape) if index is None else (
-            torch.empty(full_shape, dtype=shard.dtype, device=device).view(-1, k).index_copy_(0, index, arrival)
-            .view(full_shape))
+        a_full = (
+            arrival.view(full_shape)
+            if index is None
+            else (
+                torch.empty(full_shape, dtype=shard.dtype, device=device)
+                .view(-1, k)
+                .index_copy_(0, index, arrival)
+                .view(full_shape)
+            )
+        )
     _defer_check(error)
     return a_full, outs

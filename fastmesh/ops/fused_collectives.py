@@ -45,7 +45,8 @@ matmul_reduce_scatter
 Gathering the last dim splits the contraction: ``a @ b = sum_j a_shard_j @ b[rows of rank j]``, summed in
 rank order on every rank, so the replicated result is bitwise identical across ranks (bf16/fp16: each
 partial product is rounded to the dtype by its matmul, the partials are summed in fp32 and rounded once).
-The reduce-scatter sums the same way on gloo; on NCCL the backend's reduce-scatter sums. Scattering the last dim gives rank ``j`` the columns ``j*N/W:(j+1)*N/W``.
+The reduce-scatter sums the same way on gloo; on NCCL the backend's reduce-scatter sums. Scattering the last
+dim gives rank ``j`` the columns ``j*N/W:(j+1)*N/W``.
 
 Autograd (each op's backward is the other op; ``G_i`` the gradient of output i)::
 
@@ -73,7 +74,8 @@ transfers it started before it raises (so that none is left in flight).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -81,7 +83,7 @@ from fastmesh import _cpp_lib
 from fastmesh.kernels.fused_reference import all_gather
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, chunked_gather, plans, traced_unfused
-from fastmesh.ops._checks import wrap_dim
+from fastmesh.ops._checks import MATMUL_DTYPES, wrap_dim
 from fastmesh.ops._fused_common import (
     check_chunks,
     check_reduce_op,
@@ -100,13 +102,12 @@ from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, check_conf
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config
 
-MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
 _AG = "fastmesh::all_gather_matmul"
 _RS = "fastmesh::matmul_reduce_scatter"
 
 
 # ---- checks (the wording of csrc/fused/checks.h) ----
+
 
 def _check_operand(t, op: str, arg: str, min_dim: int, max_dim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
@@ -142,8 +143,10 @@ def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, chunks) -> int
         _check_operand(b, _AG, f"bs[{i}]", 2, 2)
         _check_like(b, a_shard, _AG, f"bs[{i}]", "a_shard")
         if b.shape[0] != k_full:
-            where = (f"the gathered a: a_shard's last dim times the group size {world}" if contraction else "a_shard")
-            raise ValueError(f"{_AG}: bs[{i}] must have {k_full} rows (the last dim of {where}), got shape {list(b.shape)}")
+            where = f"the gathered a: a_shard's last dim times the group size {world}" if contraction else "a_shard"
+            raise ValueError(
+                f"{_AG}: bs[{i}] must have {k_full} rows (the last dim of {where}), got shape {list(b.shape)}"
+            )
     return dim
 
 
@@ -162,6 +165,7 @@ def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, chunk
 
 
 # ---- fake impls ----
+
 
 @torch.library.register_fake(qualified_name("all_gather_matmul"))
 def _all_gather_matmul_fake(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0):
@@ -183,11 +187,13 @@ def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, chunks
 
 # ---- kernels: a plan per call (fastmesh/ops/plans.py), then the C++ schedule or the Triton consumer GEMM ----
 
+
 def gather_plan_call(a_shard, bs, dim: int, group_name: str, consumer_gemm: bool = False) -> plans.Call:
     """The planner's view of an all_gather_matmul call (also asked by the compile pass, on fake tensors)."""
     group = resolve_group(group_name, _AG)
-    return plans.gather_call(_AG, group, group_name, a_shard, [b.shape[1] for b in bs], dim,
-                             consumer_gemm=consumer_gemm)
+    return plans.gather_call(
+        _AG, group, group_name, a_shard, [b.shape[1] for b in bs], dim, consumer_gemm=consumer_gemm
+    )
 
 
 def scatter_plan_call(a, b, dim: int, group_name: str) -> plans.Call:
@@ -205,8 +211,9 @@ def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=Fals
     def run(plan: plans.Plan):
         if plan.split == "consumer_gemm":
             ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")
-            return chunked_gather.all_gather_chunked_matmul(a_shard, bs, dim, chunked_gather.CollectiveTransport(group),
-                                                            return_a, plan.pieces)
+            return chunked_gather.all_gather_chunked_matmul(
+                a_shard, bs, dim, chunked_gather.CollectiveTransport(group), return_a, plan.pieces
+            )
         return ext.all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, plan.pieces, plan.split)
 
     if world == 1 or a_shard.numel() == 0:
@@ -252,6 +259,7 @@ for _device in ("CPU", "CUDA"):
 
 
 # ---- autograd ----
+
 
 def _all_gather_matmul_setup(ctx, inputs, output):
     a_shard, bs, gather_dim, group_name, *defaulted = inputs  # return_a, chunks (see _input_grads)
@@ -336,6 +344,7 @@ torch.library.register_autograd(
 
 # ---- Python fronts ----
 
+
 def all_gather_matmul(
     a_shard: torch.Tensor,
     bs: Sequence[torch.Tensor],
@@ -343,9 +352,9 @@ def all_gather_matmul(
     *,
     group=None,
     return_a: bool = False,
-    chunks: Optional[int] = None,
-    fp8: Optional[Float8Config] = None,
-) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+    chunks: int | None = None,
+    fp8: Float8Config | None = None,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """All-gather ``a_shard`` along ``gather_dim`` and multiply the result by each ``b``, overlapped.
 
     Equivalent to (see the module docstring for shapes and autograd)::
@@ -389,8 +398,10 @@ def all_gather_matmul(
         (torch.Size([8, 8]), torch.Size([8, wq.shape[1]]))
     """
     if isinstance(bs, torch.Tensor):  # iterating it would split one matrix into rows
-        raise TypeError(f"fastmesh.all_gather_matmul: bs must be a list of matrices, got a Tensor of shape "
-                        f"{list(bs.shape)}; pass [b] for one")
+        raise TypeError(
+            f"fastmesh.all_gather_matmul: bs must be a list of matrices, got a Tensor of shape "
+            f"{list(bs.shape)}; pass [b] for one"
+        )
     if _dtensor.is_dtensor(a_shard) or any(_dtensor.is_dtensor(b) for b in bs):
         return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, chunks, fp8)
     name = _group_name_of(group)
@@ -400,7 +411,9 @@ def all_gather_matmul(
         _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), chunks)
     _cpp_lib.require()
     if fp8 is not None:
-        return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, chunks, check_config(fp8, "fastmesh.all_gather_matmul"))
+        return all_gather_matmul_fp8(
+            a_shard, bs, gather_dim, name, return_a, chunks, check_config(fp8, "fastmesh.all_gather_matmul")
+        )
     # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
     want_a = return_a or (torch.is_grad_enabled() and any(b.requires_grad for b in bs))
     a_full, outs = torch.ops.fastmesh.all_gather_matmul(a_shard, bs, gather_dim, name, want_a, chunks)
@@ -414,8 +427,8 @@ def matmul_reduce_scatter(
     *,
     group=None,
     reduce_op: str = "sum",
-    chunks: Optional[int] = None,
-    fp8: Optional[Float8Config] = None,
+    chunks: int | None = None,
+    fp8: Float8Config | None = None,
 ) -> torch.Tensor:
     """Multiply ``a @ b`` and reduce-scatter the product along ``scatter_dim``, overlapped.
 
@@ -455,7 +468,7 @@ def matmul_reduce_scatter(
         _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), chunks)
     _cpp_lib.require()
     if fp8 is not None:
-        return matmul_reduce_scatter_fp8(a, b, scatter_dim, name, reduce_op, chunks, check_config(fp8, "fastmesh.matmul_reduce_scatter"))
+        return matmul_reduce_scatter_fp8(
+            a, b, scatter_dim, name, reduce_op, chunks, check_config(fp8, "fastmesh.matmul_reduce_scatter")
+        )
     return torch.ops.fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, name, chunks)
-
-

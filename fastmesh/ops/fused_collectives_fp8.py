@@ -46,7 +46,8 @@ the backward is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -80,6 +81,7 @@ _RS = "fastmesh::scaled_matmul_reduce_scatter"
 
 # ---- checks (the wording of csrc/fused/scaled.h and checks.h) ----
 
+
 def _check_fp8(t, op: str, arg: str, min_dim: int, max_dim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
@@ -98,8 +100,10 @@ def _check_scale(scale, data, rowwise_shape, op: str, arg: str, data_arg: str) -
     if scale.device != data.device:
         raise ValueError(f"{op}: {arg} must be on {data_arg}'s device {data.device}, got {scale.device}")
     if scale.dim() > 0 and list(scale.shape) != list(rowwise_shape):
-        raise ValueError(f"{op}: {arg} must be tensor-wise (shape []) or row-wise (shape {list(rowwise_shape)}), "
-                         f"got shape {list(scale.shape)}")
+        raise ValueError(
+            f"{op}: {arg} must be tensor-wise (shape []) or row-wise (shape {list(rowwise_shape)}), "
+            f"got shape {list(scale.shape)}"
+        )
 
 
 def _check_out_dtype(out_dtype, op: str) -> None:
@@ -111,8 +115,10 @@ def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dty
     _check_fp8(a_shard, _AG, "a_shard", 2)
     dim = wrap_dim(gather_dim, a_shard.dim(), _AG, "gather_dim", "a_shard")
     if dim == a_shard.dim() - 1:
-        raise ValueError(f"{_AG}: the FP8 form gathers rows: gather_dim must not be the last dim ({gather_dim} for "
-                         f"a_shard with {a_shard.dim()} dims), since ranks' scales cannot share a dot product")
+        raise ValueError(
+            f"{_AG}: the FP8 form gathers rows: gather_dim must not be the last dim ({gather_dim} for "
+            f"a_shard with {a_shard.dim()} dims), since ranks' scales cannot share a dot product"
+        )
     _check_scale(a_scale, a_shard, list(a_shard.shape[:-1]) + [1], _AG, "a_scale", "a_shard")
     _check_out_dtype(out_dtype, _AG)
     check_chunks(chunks, _AG)
@@ -125,8 +131,10 @@ def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dty
         if b.device != a_shard.device:
             raise ValueError(f"{_AG}: bs[{i}] must be on a_shard's device {a_shard.device}, got {b.device}")
         if b.shape[0] != a_shard.shape[-1]:
-            raise ValueError(f"{_AG}: bs[{i}] must have {a_shard.shape[-1]} rows (the last dim of a_shard), "
-                             f"got shape {list(b.shape)}")
+            raise ValueError(
+                f"{_AG}: bs[{i}] must have {a_shard.shape[-1]} rows (the last dim of a_shard), "
+                f"got shape {list(b.shape)}"
+            )
         _check_scale(s, b, [1, b.shape[1]], _AG, f"b_scales[{i}]", f"bs[{i}]")
     return dim
 
@@ -150,9 +158,11 @@ def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op,
 
 # ---- fake impls ----
 
+
 @torch.library.register_fake(qualified_name("all_gather_scaled_matmul"))
-def _all_gather_scaled_matmul_fake(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False,
-                                   chunks=0):
+def _all_gather_scaled_matmul_fake(
+    a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, chunks=0
+):
     world = group_size(group_name, _AG)
     dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, chunks)
     full = gathered_shape(a_shard.shape, dim, world)
@@ -171,6 +181,7 @@ def _scaled_matmul_reduce_scatter_fake(a, a_scale, b, b_scale, scatter_dim, redu
 
 # ---- kernels: a plan per call (fastmesh/ops/plans.py), then the C++ schedule ----
 
+
 def _granularity(scale: torch.Tensor) -> str:
     return "rowwise" if scale.dim() > 0 else "tensorwise"
 
@@ -178,46 +189,67 @@ def _granularity(scale: torch.Tensor) -> str:
 def scaled_gather_plan_call(a_shard, a_scale, bs, dim: int, group_name: str, out_dtype) -> plans.Call:
     """The planner's view of an all_gather_scaled_matmul call (also asked by the compile pass)."""
     # One multiply over every rank's rows needs a scale per row: tensor-wise shards keep one multiply per rank.
-    return plans.gather_call(_AG, resolve_group(group_name, _AG), group_name, a_shard, [b.shape[1] for b in bs], dim,
-                             extra=(("a_scale", _granularity(a_scale)), ("out_dtype", str(out_dtype))),
-                             allow_unfused=a_scale.dim() > 0)
+    return plans.gather_call(
+        _AG,
+        resolve_group(group_name, _AG),
+        group_name,
+        a_shard,
+        [b.shape[1] for b in bs],
+        dim,
+        extra=(("a_scale", _granularity(a_scale)), ("out_dtype", str(out_dtype))),
+        allow_unfused=a_scale.dim() > 0,
+    )
 
 
 def scaled_scatter_plan_call(a, a_scale, b, b_scale, dim: int, group_name: str, out_dtype) -> plans.Call:
     """The planner's view of a scaled_matmul_reduce_scatter call."""
     # CUDA's scaled matmul wants widths in multiples of 16, which column pieces would not keep.
-    return plans.scatter_call(_RS, resolve_group(group_name, _RS), group_name, a, b.shape[1], dim, out_dtype,
-                              extra=(("scales", f"{_granularity(a_scale)},{_granularity(b_scale)}"),),
-                              columns_pieces=a.device.type != "cuda")
+    return plans.scatter_call(
+        _RS,
+        resolve_group(group_name, _RS),
+        group_name,
+        a,
+        b.shape[1],
+        dim,
+        out_dtype,
+        extra=(("scales", f"{_granularity(a_scale)},{_granularity(b_scale)}"),),
+        columns_pieces=a.device.type != "cuda",
+    )
 
 
-def _all_gather_scaled_matmul_kernel(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype,
-                                     return_a=False, chunks=0):
+def _all_gather_scaled_matmul_kernel(
+    a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, chunks=0
+):
     group = resolve_group(group_name, _AG)
     dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, group.size(), chunks)
     ext = _cpp_lib.load()
     bs, b_scales = list(bs), list(b_scales)
 
     def run(plan: plans.Plan):
-        return ext.all_gather_scaled_matmul(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a,
-                                            plan.pieces, plan.split)
+        return ext.all_gather_scaled_matmul(
+            a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a, plan.pieces, plan.split
+        )
 
     if group.size() == 1 or a_shard.numel() == 0:
         return run(plans.FIXED)
     ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")  # before the ranks agree on a plan
     ext.check_same_shape_on_all_ranks(a_scale, group_name, _AG, "a_scale")
-    return run(plans.decide(scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype), chunks, run).plan)
+    return run(
+        plans.decide(scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype), chunks, run).plan
+    )
 
 
-def _scaled_matmul_reduce_scatter_kernel(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype,
-                                         chunks=0):
+def _scaled_matmul_reduce_scatter_kernel(
+    a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, chunks=0
+):
     group = resolve_group(group_name, _RS)
     dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, group.size(), chunks)
     ext = _cpp_lib.load()
 
     def run(plan: plans.Plan):
-        return ext.scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype,
-                                                plan.pieces, plan.split)
+        return ext.scaled_matmul_reduce_scatter(
+            a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, plan.pieces, plan.split
+        )
 
     if group.size() == 1 or a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
@@ -234,17 +266,22 @@ for _device in ("CPU", "CUDA"):
 
 # ---- the fronts' fp8= option ----
 
+
 def check_config(config, op: str) -> Float8Config:
     from fastmesh.fp8.config import Float8Config
 
     if not isinstance(config, Float8Config):
         raise TypeError(f"{op}: fp8 must be a fastmesh.fp8.Float8Config, got {type(config).__name__}")
     if config.granularity not in GRANULARITIES:
-        raise ValueError(f"{op}: fp8 granularity must be 'tensorwise' or 'rowwise' (the scale layouts "
-                         f"torch._scaled_mm takes on every backend), got {config.granularity!r}")
+        raise ValueError(
+            f"{op}: fp8 granularity must be 'tensorwise' or 'rowwise' (the scale layouts "
+            f"torch._scaled_mm takes on every backend), got {config.granularity!r}"
+        )
     if config.scaling != "current":
-        raise ValueError(f"{op}: fp8= quantizes with current scaling; for delayed scaling quantize with your scales "
-                         "and call torch.ops.fastmesh.all_gather_scaled_matmul / scaled_matmul_reduce_scatter")
+        raise ValueError(
+            f"{op}: fp8= quantizes with current scaling; for delayed scaling quantize with your scales "
+            "and call torch.ops.fastmesh.all_gather_scaled_matmul / scaled_matmul_reduce_scatter"
+        )
     return config
 
 
@@ -271,8 +308,15 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
         a_data, a_scale = _quantize_rows(a_shard, config.dtype, config)
         b_ops = [_quantize_columns(b, config.dtype, config) for b in bs]
         a_full, a_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
-            a_data, a_scale, [d for d, _ in b_ops], [s for _, s in b_ops], gather_dim, group_name, a_shard.dtype,
-            True, chunks,
+            a_data,
+            a_scale,
+            [d for d, _ in b_ops],
+            [s for _, s in b_ops],
+            gather_dim,
+            group_name,
+            a_shard.dtype,
+            True,
+            chunks,
         )
         ctx.config, ctx.group_name, ctx.gather_dim, ctx.chunks = config, group_name, gather_dim, chunks
         ctx.dtype = a_shard.dtype
@@ -297,10 +341,12 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
                 g_data, g_scale = _quantize_rows(grad_c, ctx.config.grad_dtype, ctx.config)
                 bt_data, bt_scale = _quantize_columns(b_t, ctx.config.dtype, ctx.config)
                 grad_a = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-                    g_data, g_scale, bt_data, bt_scale, ctx.gather_dim, "sum", ctx.group_name, ctx.dtype, ctx.chunks)
+                    g_data, g_scale, bt_data, bt_scale, ctx.gather_dim, "sum", ctx.group_name, ctx.dtype, ctx.chunks
+                )
             else:
                 grad_a = torch.ops.fastmesh.matmul_reduce_scatter(
-                    grad_c.contiguous(), b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.chunks)
+                    grad_c.contiguous(), b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.chunks
+                )
         grad_bs = [None] * len(bs)
         if any(ctx.needs_input_grad[6:]):
             a_hp = rows(_dequantize(a_full, a_full_scale, ctx.dtype))
@@ -315,9 +361,15 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
         a_data, a_scale = _quantize_rows(a, config.dtype, config)
         b_data, b_scale = _quantize_columns(b, config.dtype, config)
         out = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-            a_data, a_scale, b_data, b_scale, scatter_dim, reduce_op, group_name, a.dtype, chunks)
+            a_data, a_scale, b_data, b_scale, scatter_dim, reduce_op, group_name, a.dtype, chunks
+        )
         ctx.config, ctx.group_name, ctx.scatter_dim, ctx.reduce_op, ctx.chunks = (
-            config, group_name, scatter_dim, reduce_op, chunks)
+            config,
+            group_name,
+            scatter_dim,
+            reduce_op,
+            chunks,
+        )
         ctx.dtype = a.dtype
         # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which
         # the FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype.
@@ -336,26 +388,36 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
             g_data, g_scale = _quantize_rows(grad_out, ctx.config.grad_dtype, ctx.config)
             bt_data, bt_scale = _quantize_columns(b.t(), ctx.config.dtype, ctx.config)
             g_full, g_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
-                g_data, g_scale, [bt_data], [bt_scale], ctx.scatter_dim, ctx.group_name, ctx.dtype, need_b, ctx.chunks)
+                g_data, g_scale, [bt_data], [bt_scale], ctx.scatter_dim, ctx.group_name, ctx.dtype, need_b, ctx.chunks
+            )
             grad_a = outs[0] if need_a else None
             if need_b:
                 grad_c = _dequantize(g_full, g_full_scale, ctx.dtype)
         else:
             grad_c, (grad_a,) = torch.ops.fastmesh.all_gather_matmul(
-                grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.chunks)
+                grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.chunks
+            )
         if need_b:
             grad_b = rows(a).t() @ rows(grad_c)
         return None, None, None, None, None, (grad_a if need_a else None), grad_b
 
 
-def all_gather_matmul_fp8(a_shard, bs: Sequence[torch.Tensor], gather_dim: int, group_name: str, return_a: bool,
-                          chunks: int, config: Float8Config) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+def all_gather_matmul_fp8(
+    a_shard,
+    bs: Sequence[torch.Tensor],
+    gather_dim: int,
+    group_name: str,
+    return_a: bool,
+    chunks: int,
+    config: Float8Config,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The fronts' ``fp8=`` path of all_gather_matmul (module docstring)."""
     gathered, *outs = _Float8AllGatherMatmul.apply(config, group_name, gather_dim, chunks, return_a, a_shard, *bs)
     return gathered, list(outs)
 
 
-def matmul_reduce_scatter_fp8(a, b, scatter_dim: int, group_name: str, reduce_op: str, chunks: int,
-                              config: Float8Config) -> torch.Tensor:
+def matmul_reduce_scatter_fp8(
+    a, b, scatter_dim: int, group_name: str, reduce_op: str, chunks: int, config: Float8Config
+) -> torch.Tensor:
     """The fronts' ``fp8=`` path of matmul_reduce_scatter (module docstring)."""
     return _Float8MatmulReduceScatter.apply(config, group_name, scatter_dim, reduce_op, chunks, a, b)

@@ -34,18 +34,22 @@ def default_path() -> str:
 
 
 def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
 def machine() -> dict:
     """What a measured plan depends on besides its key: the hardware and the versions."""
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "arch": platform.machine(),
-            "torch": torch.__version__, "fastmesh": __version__}
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "arch": platform.machine(),
+        "torch": torch.__version__,
+        "fastmesh": __version__,
+    }
 
 
 def fingerprint(about: dict | None = None) -> str:
@@ -74,8 +78,11 @@ class PlanCache:
         except FileNotFoundError:
             return {"format": FORMAT, "machines": {}}
         except (OSError, ValueError) as error:
-            warnings.warn(f"fastmesh: ignoring the plan cache {self.path} ({type(error).__name__}: {error}); "
-                          "plans are taken from the cost model until it is rewritten", stacklevel=3)
+            warnings.warn(
+                f"fastmesh: ignoring the plan cache {self.path} ({type(error).__name__}: {error}); "
+                "plans are taken from the cost model until it is rewritten",
+                stacklevel=3,
+            )
             return {"format": FORMAT, "machines": {}}
 
     def _stamp(self):

@@ -131,11 +131,15 @@ def best(shape: Shape, candidates: list) -> tuple:
     times = {c.label: estimate(shape, c.split, c.pieces) for c in candidates}
     chosen = min(candidates, key=lambda c: times[c.label])
     unfused = next((c for c in candidates if c.split == "none"), None)
-    if unfused is not None and chosen is not unfused and times[chosen.label] > (1 - MODEL_MARGIN) * times[unfused.label]:
+    if (
+        unfused is not None
+        and chosen is not unfused
+        and times[chosen.label] > (1 - MODEL_MARGIN) * times[unfused.label]
+    ):
         chosen = unfused
     return chosen, times
 
 
 def pieces_up_to(units: int, top: int = 8) -> list:
     """Piece counts worth trying for ``units`` units: powers of two up to ``top``, at most ``units``."""
-    return [p for p in (2 ** i for i in range(int(math.log2(top)) + 1)) if p <= max(1, units)]
+    return [p for p in (2**i for i in range(int(math.log2(top)) + 1)) if p <= max(1, units)]

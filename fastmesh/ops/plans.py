@@ -32,7 +32,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -128,8 +128,17 @@ def _rows_around(t: torch.Tensor, dim: int) -> tuple[int, int]:
     return math.prod(t.shape[:dim]), math.prod(t.shape[:-1])
 
 
-def gather_call(op: str, group, group_name: str, a_shard: torch.Tensor, ns, dim: int, extra: tuple = (),
-                allow_unfused: bool = True, consumer_gemm: bool = False) -> Call:
+def gather_call(
+    op: str,
+    group,
+    group_name: str,
+    a_shard: torch.Tensor,
+    ns,
+    dim: int,
+    extra: tuple = (),
+    allow_unfused: bool = True,
+    consumer_gemm: bool = False,
+) -> Call:
     """The Call of an all-gather + matmul of ``a_shard`` along ``dim`` by bs (of a_shard's dtype) of ``ns``
     columns."""
     world = group.size()
@@ -141,16 +150,42 @@ def gather_call(op: str, group, group_name: str, a_shard: torch.Tensor, ns, dim:
         candidates.append(UNFUSED)
     if consumer_gemm:
         candidates.append(Plan("consumer_gemm", 0))
-    shape = plan_model.Shape("all_gather", world, shard_rows, a_shard.shape[-1], tuple(ns), outer, last,
-                             a_shard.element_size(), a_shard.element_size(), _dtype_name(a_shard.dtype),
-                             threads(a_shard.device), a_shard.device.type)
-    fields = (("a", list(a_shard.shape)), ("ns", list(ns)), ("dim", dim), ("dtype", str(a_shard.dtype)),
-              ("world", world), ("threads", shape.threads)) + extra
+    shape = plan_model.Shape(
+        "all_gather",
+        world,
+        shard_rows,
+        a_shard.shape[-1],
+        tuple(ns),
+        outer,
+        last,
+        a_shard.element_size(),
+        a_shard.element_size(),
+        _dtype_name(a_shard.dtype),
+        threads(a_shard.device),
+        a_shard.device.type,
+    )
+    fields = (
+        ("a", list(a_shard.shape)),
+        ("ns", list(ns)),
+        ("dim", dim),
+        ("dtype", str(a_shard.dtype)),
+        ("world", world),
+        ("threads", shape.threads),
+    ) + extra
     return Call(op, group_name, backend_of(group, a_shard.device), a_shard.device, fields, shape, tuple(candidates))
 
 
-def scatter_call(op: str, group, group_name: str, a: torch.Tensor, n: int, dim: int, out_dtype: torch.dtype,
-                 extra: tuple = (), columns_pieces: bool = True) -> Call:
+def scatter_call(
+    op: str,
+    group,
+    group_name: str,
+    a: torch.Tensor,
+    n: int,
+    dim: int,
+    out_dtype: torch.dtype,
+    extra: tuple = (),
+    columns_pieces: bool = True,
+) -> Call:
     """The Call of a matmul + reduce-scatter of ``a @ b`` (``b`` of ``n`` columns) along ``dim``."""
     world = group.size()
     last = dim == a.dim() - 1
@@ -162,11 +197,29 @@ def scatter_call(op: str, group, group_name: str, a: torch.Tensor, n: int, dim: 
     if columns_pieces:
         candidates += [Plan("columns", p) for p in plan_model.pieces_up_to(block_cols) if p > 1]
     candidates.append(UNFUSED)
-    shape = plan_model.Shape("reduce_scatter", world, rows, a.shape[-1], (n,), outer, last,
-                             out_dtype.itemsize, a.element_size(), _dtype_name(a.dtype),
-                             threads(a.device), a.device.type)
-    fields = (("a", list(a.shape)), ("n", n), ("dim", dim), ("dtype", str(a.dtype)), ("out_dtype", str(out_dtype)),
-              ("world", world), ("threads", shape.threads)) + extra
+    shape = plan_model.Shape(
+        "reduce_scatter",
+        world,
+        rows,
+        a.shape[-1],
+        (n,),
+        outer,
+        last,
+        out_dtype.itemsize,
+        a.element_size(),
+        _dtype_name(a.dtype),
+        threads(a.device),
+        a.device.type,
+    )
+    fields = (
+        ("a", list(a.shape)),
+        ("n", n),
+        ("dim", dim),
+        ("dtype", str(a.dtype)),
+        ("out_dtype", str(out_dtype)),
+        ("world", world),
+        ("threads", shape.threads),
+    ) + extra
     return Call(op, group_name, backend_of(group, a.device), a.device, fields, shape, tuple(candidates))
 
 
@@ -175,9 +228,9 @@ def scatter_call(op: str, group, group_name: str, a: torch.Tensor, n: int, dim: 
 _lock = threading.Lock()
 _agreed: dict[str, Decision] = {}  # key -> the decision every rank took, for this process
 _last: dict[str, tuple[str, Decision]] = {}  # op -> (key, decision) of its latest planned call
-_cache: Optional[PlanCache] = None
+_cache: PlanCache | None = None
 _logged: set = set()  # (key, decision) pairs already logged
-_override: Optional[Plan] = None
+_override: Plan | None = None
 
 
 def cache() -> PlanCache:
@@ -196,7 +249,7 @@ def forget() -> None:
         _logged.clear()
 
 
-def last_decision(op: str) -> Optional[tuple[str, Decision]]:
+def last_decision(op: str) -> tuple[str, Decision] | None:
     """(key, decision) of ``op``'s latest planned call in this process, or None."""
     return _last.get(op)
 
@@ -229,7 +282,7 @@ def _model(call: Call) -> Decision:
     return Decision(chosen, "model", tuple((label, s * 1e3) for label, s in times.items()))
 
 
-def _cached(call: Call) -> Optional[Decision]:
+def _cached(call: Call) -> Decision | None:
     entry = cache().lookup(call.key)
     if not isinstance(entry, dict):
         return None
@@ -269,8 +322,9 @@ def measure(call: Call, run: Callable[[Plan], object]) -> Decision:
     figures = tuple((c.label, s * 1e3) for c, s in zip(candidates, medians))
     if UNFUSED not in times:
         return Decision(min(candidates, key=dict(zip(candidates, medians)).get), "measured", figures)
-    ratios = _all_reduce([statistics.median(t / u for t, u in zip(times[c], times[UNFUSED])) for c in candidates],
-                         "max", call)
+    ratios = _all_reduce(
+        [statistics.median(t / u for t, u in zip(times[c], times[UNFUSED])) for c in candidates], "max", call
+    )
     by_ratio = dict(zip(candidates, ratios))
     chosen = min(candidates, key=by_ratio.get)
     if by_ratio[chosen] > 1 - MEASURE_MARGIN:
@@ -282,8 +336,13 @@ def _encode(plan: Plan) -> list:
     return [SPLITS.index(plan.split), plan.pieces]
 
 
-def decide(call: Call, chunks: int, run: Optional[Callable[[Plan], object]] = None, forced: Optional[Decision] = None,
-           note: str = "") -> Decision:
+def decide(
+    call: Call,
+    chunks: int,
+    run: Callable[[Plan], object] | None = None,
+    forced: Decision | None = None,
+    note: str = "",
+) -> Decision:
     """The plan ``call`` runs, the same on every rank (see the module docstring). ``run(plan)`` executes the
     call with a plan (for measuring); ``forced`` is a decision the op imposes (an opt-in path); ``note`` is
     added to the log line."""
@@ -306,13 +365,21 @@ def decide(call: Call, chunks: int, run: Optional[Callable[[Plan], object]] = No
     cached = _cached(call)
     local = _model(call) if cached is None else cached
     is_rank0 = _rank(call) == 0
-    have_cached, *plan_code = _all_reduce([int(cached is not None)] + (_encode(local.plan) if is_rank0 else [0, 0]),
-                                          "sum", call)
+    have_cached, *plan_code = _all_reduce(
+        [int(cached is not None)] + (_encode(local.plan) if is_rank0 else [0, 0]), "sum", call
+    )
     every_rank_cached = have_cached == call.shape.world
     if tune == "measure" and not every_rank_cached and run is not None:
         decision = measure(call, run)
-        cache().store(key, {"split": decision.plan.split, "pieces": decision.plan.pieces,
-                            "ms": dict(decision.figures), "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        cache().store(
+            key,
+            {
+                "split": decision.plan.split,
+                "pieces": decision.plan.pieces,
+                "ms": dict(decision.figures),
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            },
+        )
     else:  # rank 0's plan, from its cache or its model
         plan = Plan(SPLITS[plan_code[0]], plan_code[1])
         decision = local if plan == local.plan else Decision(plan, "rank 0's plan")

@@ -29,8 +29,10 @@ def register_once() -> bool:
     global _registered
     if _registered is not None:
         return _registered
-    ops = ((torch.ops.fastmesh.all_gather_matmul.default, _all_gather_matmul),
-           (torch.ops.fastmesh.matmul_reduce_scatter.default, _matmul_reduce_scatter))
+    ops = (
+        (torch.ops.fastmesh.all_gather_matmul.default, _all_gather_matmul),
+        (torch.ops.fastmesh.matmul_reduce_scatter.default, _matmul_reduce_scatter),
+    )
     try:
         from torch._inductor import decomposition as inductor_decompositions
         from torch._inductor.lowering import make_fallback, tag_to_layout_constraint
@@ -40,8 +42,11 @@ def register_once() -> bool:
         # kernel. Inductor creates that fallback on first sight, but refuses to for an op with a decomposition:
         # so it is created first, as inductor would create it (the op's default layout constraint).
         for op, _ in ops:
-            make_fallback(op, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)),
-                          warn=False)
+            make_fallback(
+                op,
+                layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)),
+                warn=False,
+            )
     except (ImportError, AttributeError, TypeError) as error:  # another torch's inductor internals
         logger.info("fastmesh: unfused plans stay inside the fused ops under inductor (%s)", error)
         _registered = False
@@ -68,8 +73,12 @@ def _all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a=False, chun
     from fastmesh.ops.fused_collectives import gather_plan_call
 
     dim = gather_dim % a_shard.dim()
-    if chunks or a_shard.numel() == 0 or not _static(a_shard, *bs) or \
-            not _unfused(gather_plan_call(a_shard, bs, dim, group_name)):
+    if (
+        chunks
+        or a_shard.numel() == 0
+        or not _static(a_shard, *bs)
+        or not _unfused(gather_plan_call(a_shard, bs, dim, group_name))
+    ):
         return NotImplemented
     world = group_size(group_name, "fastmesh::all_gather_matmul")
     stacked = _c10d.wait_tensor(_c10d.all_gather_into_tensor(a_shard.contiguous(), world, group_name))
@@ -81,8 +90,13 @@ def _matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, chunks=0):
     from fastmesh.ops.fused_collectives import scatter_plan_call
 
     dim = scatter_dim % a.dim()
-    if chunks or a.numel() == 0 or b.numel() == 0 or not _static(a, b) or \
-            not _unfused(scatter_plan_call(a, b, dim, group_name)):
+    if (
+        chunks
+        or a.numel() == 0
+        or b.numel() == 0
+        or not _static(a, b)
+        or not _unfused(scatter_plan_call(a, b, dim, group_name))
+    ):
         return NotImplemented
     world = group_size(group_name, "fastmesh::matmul_reduce_scatter")
     product = a @ b

@@ -4,7 +4,6 @@ the local tensors the fused ops take. Nothing numerical happens here."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 from torch import nn
@@ -43,8 +42,10 @@ def check_fp8(config, style: str):
 
 def check_mesh(mesh: DeviceMesh, style: str) -> None:
     if mesh.ndim != 1:
-        raise ValueError(f"{style}: parallelize_module must be given a 1-D device mesh (the TP axis, e.g. mesh['tp']), "
-                         f"got a {mesh.ndim}-D mesh with axes {mesh.mesh_dim_names}")
+        raise ValueError(
+            f"{style}: parallelize_module must be given a 1-D device mesh (the TP axis, e.g. mesh['tp']), "
+            f"got a {mesh.ndim}-D mesh with axes {mesh.mesh_dim_names}"
+        )
 
 
 def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_features: str, fp8) -> nn.Linear:
@@ -57,16 +58,21 @@ def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_featur
     if features % tp:
         raise ValueError(f"{style}: {what}.{sharded_features}={features} must be divisible by the TP degree {tp}")
     if isinstance(module.weight, DTensor):
-        raise ValueError(f"{style}: {what} is already parallelized (its weight is a DTensor placed "
-                         f"{module.weight.placements}); apply one style per linear")
+        raise ValueError(
+            f"{style}: {what} is already parallelized (its weight is a DTensor placed "
+            f"{module.weight.placements}); apply one style per linear"
+        )
     if fp8 is not None and module.weight.dtype not in OUT_DTYPES:
-        raise TypeError(f"{style}: fp8 cannot serve {what}'s dtype {module.weight.dtype}: FP8 matmuls produce "
-                        "float32, bfloat16 or float16; convert the module or drop fp8")
+        raise TypeError(
+            f"{style}: fp8 cannot serve {what}'s dtype {module.weight.dtype}: FP8 matmuls produce "
+            "float32, bfloat16 or float16; convert the module or drop fp8"
+        )
     return module
 
 
-def shard_parameters(module: nn.Linear, mesh: DeviceMesh, weight: Placement, bias: Placement,
-                     src_data_rank: Optional[int]) -> None:
+def shard_parameters(
+    module: nn.Linear, mesh: DeviceMesh, weight: Placement, bias: Placement, src_data_rank: int | None
+) -> None:
     """Replace the weight and bias with DTensors placed as torch's Colwise/RowwiseParallel place them, so that
     state dicts are interchangeable with the native plan's."""
     for name, placement in (("weight", weight), ("bias", bias)):
@@ -77,7 +83,7 @@ def shard_parameters(module: nn.Linear, mesh: DeviceMesh, weight: Placement, bia
         module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def local_parameter(module: nn.Linear, name: str, style: str, what: str) -> Optional[torch.Tensor]:
+def local_parameter(module: nn.Linear, name: str, style: str, what: str) -> torch.Tensor | None:
     """This rank's TP shard of a parameter (differentiable: its gradient lands on the DTensor parameter)."""
     param = getattr(module, name)
     if not isinstance(param, DTensor):
@@ -88,7 +94,8 @@ def local_parameter(module: nn.Linear, name: str, style: str, what: str) -> Opti
         raise RuntimeError(
             f"{style}: {what}.{name} is still sharded over a {param.device_mesh.ndim}-D mesh when the fused matmul "
             "runs; apply fully_shard to a module that contains all the fused linears (e.g. the block), not to "
-            "the linears themselves")
+            "the linears themselves"
+        )
     return param.to_local()
 
 
@@ -96,8 +103,10 @@ def sequence_dim(placement: Shard, x: torch.Tensor, style: str, what: str) -> in
     """The non-negative dim a ``Shard`` placement names on ``x``: a sequence dim, not the last (the features)."""
     dim = placement.dim
     if not -x.dim() <= dim < x.dim() or dim % x.dim() == x.dim() - 1:
-        raise ValueError(f"{style}: {what} Shard({dim}) must name a sequence dim of the {x.dim()}-D tensor "
-                         f"(any dim but the last, the features), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{style}: {what} Shard({dim}) must name a sequence dim of the {x.dim()}-D tensor "
+            f"(any dim but the last, the features), got shape {tuple(x.shape)}"
+        )
     return dim % x.dim()
 
 
@@ -124,8 +133,10 @@ def local_input(x, mesh: DeviceMesh, layout: Placement, style: str) -> tuple[tor
     if isinstance(placement, Shard):
         dim = placement.dim % x.dim()
         if x.shape[dim] % mesh.size():
-            raise ValueError(f"{style}: the input's sequence length {x.shape[dim]} (dim {dim}) must be divisible by "
-                             f"the TP degree {mesh.size()}")
+            raise ValueError(
+                f"{style}: the input's sequence length {x.shape[dim]} (dim {dim}) must be divisible by "
+                f"the TP degree {mesh.size()}"
+            )
         return x.to_local(), Shard(dim)
     raise ValueError(f"{style}: the input DTensor must be placed Shard(sequence_dim) or Replicate(), got {placement!r}")
 

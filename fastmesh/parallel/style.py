@@ -54,7 +54,7 @@ on ``wo`` and ``w2``.
 from __future__ import annotations
 
 import types
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +87,7 @@ _COLWISE = "FusedColwiseParallel"
 _ROWWISE = "FusedRowwiseParallel"
 
 
-def _check_chunks(chunks, style: str) -> Optional[int]:
+def _check_chunks(chunks, style: str) -> int | None:
     if chunks is not None:
         check_chunks(chunks, style)
     return chunks
@@ -141,25 +141,29 @@ class FusedColwiseParallel(ParallelStyle):
     def __init__(
         self,
         *,
-        input_layouts: Optional[Placement] = None,
-        output_layouts: Optional[Placement] = None,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
         use_local_output: bool = True,
-        linears: Optional[Sequence[str]] = None,
+        linears: Sequence[str] | None = None,
         fp8=None,
-        chunks: Optional[int] = None,
+        chunks: int | None = None,
     ):
         super().__init__()
         self.input_layouts = (check_sequence_placement(input_layouts or Shard(1), _COLWISE, "input_layouts", True),)
         if output_layouts is not None and output_layouts != Shard(-1):
-            raise ValueError(f"{_COLWISE}: output_layouts must be Shard(-1) (column-sharded), got {output_layouts!r}; "
-                             "for a replicated output use torch's ColwiseParallel(output_layouts=Replicate())")
+            raise ValueError(
+                f"{_COLWISE}: output_layouts must be Shard(-1) (column-sharded), got {output_layouts!r}; "
+                "for a replicated output use torch's ColwiseParallel(output_layouts=Replicate())"
+            )
         self.output_layouts = (Shard(-1),)
         self.use_local_output = use_local_output
         self.linears = _check_linear_names(linears)
         self.fp8 = check_fp8(fp8, _COLWISE)
         if self.fp8 is not None and isinstance(self.input_layouts[0], Replicate):
-            raise ValueError(f"{_COLWISE}: fp8 needs a sequence-sharded input (it quantizes the shard that travels), "
-                             "got input_layouts=Replicate()")
+            raise ValueError(
+                f"{_COLWISE}: fp8 needs a sequence-sharded input (it quantizes the shard that travels), "
+                "got input_layouts=Replicate()"
+            )
         self.chunks = _check_chunks(chunks, _COLWISE)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -170,8 +174,10 @@ class FusedColwiseParallel(ParallelStyle):
             linear.forward = types.MethodType(_colwise_forward(self, device_mesh, "the module"), linear)
             return module
         if isinstance(module, nn.Linear):
-            raise TypeError(f"{_COLWISE}: linears= names sibling linears of a parent module, but it was applied to an "
-                            "nn.Linear; apply FusedColwiseParallel() to the linear itself")
+            raise TypeError(
+                f"{_COLWISE}: linears= names sibling linears of a parent module, but it was applied to an "
+                "nn.Linear; apply FusedColwiseParallel() to the linear itself"
+            )
         siblings = _Siblings(self, device_mesh, module)
         # A wrapped forward rather than forward hooks: compiling the parent itself (torch.compile(parent),
         # parent.compile()) compiles its hooks as frames of their own, whose gathered-input output then gets a
@@ -184,30 +190,43 @@ class FusedColwiseParallel(ParallelStyle):
         """The fused gather + matmuls: (gathered input or None, each linear's output)."""
         dim = sequence_dim(placement, x_shard, _COLWISE, "the input's")
         weights = [local_parameter(linear, "weight", _COLWISE, name) for name, linear in named_linears]
-        a, outs = all_gather_matmul(x_shard, [w.t() for w in weights], dim, group=group_name(mesh),
-                                    return_a=return_a, chunks=self.chunks, fp8=self.fp8)
+        a, outs = all_gather_matmul(
+            x_shard,
+            [w.t() for w in weights],
+            dim,
+            group=group_name(mesh),
+            return_a=return_a,
+            chunks=self.chunks,
+            fp8=self.fp8,
+        )
         results = []
         for (name, linear), out in zip(named_linears, outs):
             bias = local_parameter(linear, "bias", _COLWISE, name)
-            results.append(output(out if bias is None else out + bias, mesh, Shard(out.dim() - 1), self.use_local_output))
+            results.append(
+                output(out if bias is None else out + bias, mesh, Shard(out.dim() - 1), self.use_local_output)
+            )
         return a, results
 
     def _replicated(self, linear: nn.Linear, x: DTensor):
         """A replicated input: nothing to gather, so the matmul runs as torch's ColwiseParallel runs it (DTensor
         gives the input's gradient its all-reduce)."""
         if self.fp8 is not None:
-            raise ValueError(f"{_COLWISE}: fp8 needs a sequence-sharded input (it quantizes the shard that travels), "
-                             "got a replicated one")
+            raise ValueError(
+                f"{_COLWISE}: fp8 needs a sequence-sharded input (it quantizes the shard that travels), "
+                "got a replicated one"
+            )
         out = F.linear(x, linear.weight, linear.bias)
         return out.to_local() if self.use_local_output else out
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
-                f"use_local_output={self.use_local_output}, linears={self.linears}, fp8={self.fp8}, "
-                f"chunks={self.chunks})")
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output}, linears={self.linears}, fp8={self.fp8}, "
+            f"chunks={self.chunks})"
+        )
 
 
-def _check_linear_names(linears) -> Optional[tuple[str, ...]]:
+def _check_linear_names(linears) -> tuple[str, ...] | None:
     if linears is None:
         return None
     if isinstance(linears, str) or not all(isinstance(name, str) and name for name in linears):
@@ -248,31 +267,38 @@ class _Siblings:
             try:
                 child = parent.get_submodule(name)
             except AttributeError as error:
-                raise ValueError(f"{_COLWISE}: linears names {name!r}, which {type(parent).__name__} does not "
-                                 "have") from error
+                raise ValueError(
+                    f"{_COLWISE}: linears names {name!r}, which {type(parent).__name__} does not have"
+                ) from error
             self.named_linears.append((name, check_linear(child, _COLWISE, name, mesh, "out_features", style.fp8)))
         in_features = {linear.in_features for _, linear in self.named_linears}
         if len(in_features) != 1:
-            raise ValueError(f"{_COLWISE}: the linears sharing a gather must read the same input, but their "
-                             f"in_features differ: {[(n, lin.in_features) for n, lin in self.named_linears]}")
+            raise ValueError(
+                f"{_COLWISE}: the linears sharing a gather must read the same input, but their "
+                f"in_features differ: {[(n, lin.in_features) for n, lin in self.named_linears]}"
+            )
         # The parent's rank 0 in the group keeps the gradient of replicated uses of the gathered input, so
         # that the reduce-scatter of the fused op's backward counts it once.
         self.keeps_replicated_grad = mesh.get_local_rank() == 0
         # Eager only: the gathered input of the call in progress, to recognize aliases of it (below).
-        self.eager_gathered: Optional[DTensor] = None
+        self.eager_gathered: DTensor | None = None
         for name, linear in self.named_linears:
             shard_parameters(linear, mesh, Shard(0), Shard(0), style.src_data_rank)
             linear.forward = types.MethodType(self._linear_forward(name), linear)
 
     def gather_and_multiply(self, parent: nn.Module, args: tuple, kwargs: dict):
         if not args:
-            raise TypeError(f"{_COLWISE}(linears={self.style.linears}): {type(parent).__name__}'s input must be its "
-                            "first positional argument")
+            raise TypeError(
+                f"{_COLWISE}(linears={self.style.linears}): {type(parent).__name__}'s input must be its "
+                "first positional argument"
+            )
         x, placement = local_input(args[0], self.mesh, self.style.input_layouts[0], _COLWISE)
         if isinstance(placement, Replicate):
             if self.style.fp8 is not None:
-                raise ValueError(f"{_COLWISE}: fp8 needs a sequence-sharded input (it quantizes the shard that "
-                                 "travels), got a replicated one")
+                raise ValueError(
+                    f"{_COLWISE}: fp8 needs a sequence-sharded input (it quantizes the shard that "
+                    "travels), got a replicated one"
+                )
             return (x, *args[1:]), kwargs
         a, outs = self.style._multiply(self.mesh, self.named_linears, x, placement, return_a=True)
         a = _CountReplicatedGradOnce.apply(a, self.keeps_replicated_grad)
@@ -290,6 +316,7 @@ class _Siblings:
 
     def wrap_forward(self, forward):
         """The parent's forward (``forward``, bound), preceded by the shared gather and followed by release."""
+
         def gathered_forward(parent: nn.Module, *args, **kwargs):
             args, kwargs = self.gather_and_multiply(parent, args, kwargs)
             try:
@@ -299,7 +326,7 @@ class _Siblings:
 
         return gathered_forward
 
-    def _outputs_for(self, x) -> Optional[dict]:
+    def _outputs_for(self, x) -> dict | None:
         outputs = getattr(x, _SIBLING_OUTPUTS, None)
         gathered = self.eager_gathered
         if outputs is not None or gathered is None or not isinstance(x, DTensor):
@@ -307,8 +334,13 @@ class _Siblings:
         # A module with backward hooks (e.g. under CommDebugMode) gets an alias of its input, not the object:
         # the same data, so the precomputed output is still its output.
         mine, theirs = x._local_tensor, gathered._local_tensor
-        same = (x.placements == gathered.placements and mine.data_ptr() == theirs.data_ptr()
-                and mine.shape == theirs.shape and mine.stride() == theirs.stride() and mine.dtype == theirs.dtype)
+        same = (
+            x.placements == gathered.placements
+            and mine.data_ptr() == theirs.data_ptr()
+            and mine.shape == theirs.shape
+            and mine.stride() == theirs.stride()
+            and mine.dtype == theirs.dtype
+        )
         return getattr(gathered, _SIBLING_OUTPUTS) if same else None
 
     def _linear_forward(self, name: str):
@@ -317,8 +349,13 @@ class _Siblings:
             if outputs is not None:
                 return outputs[name]
             if self.eager_gathered is not None:
-                warn_once(f"{id(self)}.{name}", "%s: %s was called with an input other than the gathered input of its "
-                          "parent, so it runs on its own (no shared gather)", _COLWISE, name)
+                warn_once(
+                    f"{id(self)}.{name}",
+                    "%s: %s was called with an input other than the gathered input of its "
+                    "parent, so it runs on its own (no shared gather)",
+                    _COLWISE,
+                    name,
+                )
             return alone(linear, x)
 
         alone = _colwise_forward(self.style, self.mesh, name)
@@ -376,15 +413,17 @@ class FusedRowwiseParallel(ParallelStyle):
     def __init__(
         self,
         *,
-        input_layouts: Optional[Placement] = None,
-        output_layouts: Optional[Placement] = None,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
         use_local_output: bool = True,
         fp8=None,
-        chunks: Optional[int] = None,
+        chunks: int | None = None,
     ):
         super().__init__()
         if input_layouts is not None and input_layouts != Shard(-1):
-            raise ValueError(f"{_ROWWISE}: input_layouts must be Shard(-1) (the features sharded), got {input_layouts!r}")
+            raise ValueError(
+                f"{_ROWWISE}: input_layouts must be Shard(-1) (the features sharded), got {input_layouts!r}"
+            )
         self.input_layouts = (Shard(-1),)
         self.output_layouts = (check_sequence_placement(output_layouts or Shard(1), _ROWWISE, "output_layouts", False),)
         self.use_local_output = use_local_output
@@ -399,8 +438,10 @@ class FusedRowwiseParallel(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
-                f"use_local_output={self.use_local_output}, fp8={self.fp8}, chunks={self.chunks})")
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output}, fp8={self.fp8}, chunks={self.chunks})"
+        )
 
 
 def _rowwise_forward(style: FusedRowwiseParallel, mesh: DeviceMesh):
@@ -411,8 +452,10 @@ def _rowwise_forward(style: FusedRowwiseParallel, mesh: DeviceMesh):
         dim = sequence_dim(style.output_layouts[0], x, _ROWWISE, "output_layouts")
         tp = mesh.size()
         if x.shape[dim] % tp:
-            raise ValueError(f"{_ROWWISE}: the sequence length {x.shape[dim]} (dim {dim} of the input, "
-                             f"shape {tuple(x.shape)}) must be divisible by the TP degree {tp}")
+            raise ValueError(
+                f"{_ROWWISE}: the sequence length {x.shape[dim]} (dim {dim} of the input, "
+                f"shape {tuple(x.shape)}) must be divisible by the TP degree {tp}"
+            )
         weight = local_parameter(linear, "weight", _ROWWISE, "the module")
         out = matmul_reduce_scatter(x, weight.t(), dim, group=group_name(mesh), chunks=style.chunks, fp8=style.fp8)
         placement = Shard(dim)
@@ -432,6 +475,8 @@ def _rowwise_local_input(x, mesh: DeviceMesh) -> torch.Tensor:
         return x
     placement = x.placements[0]
     if not (isinstance(placement, Shard) and placement.dim % x.dim() == x.dim() - 1):
-        raise ValueError(f"{_ROWWISE}: the input DTensor must be placed Shard(-1) (features sharded, a colwise "
-                         f"linear's output), got {placement!r}")
+        raise ValueError(
+            f"{_ROWWISE}: the input DTensor must be placed Shard(-1) (features sharded, a colwise "
+            f"linear's output), got {placement!r}"
+        )
     return x.to_local()

@@ -67,8 +67,7 @@ def step_comm_times(prof: torch.profiler.profile, step_event: str = STEP_EVENT) 
     events = list(prof.events())
     steps = sorted((e for e in events if e.name == step_event), key=lambda e: e.time_range.start)
     # Outer events first where two start together, so that a nested one finds the outer one's reach.
-    comm = sorted(((e.time_range.start, -e.time_range.end, e.thread, e.name) for e in events
-                   if is_blocking_comm(e.name)))
+    comm = sorted((e.time_range.start, -e.time_range.end, e.thread, e.name) for e in events if is_blocking_comm(e.name))
     result = []
     for step in steps:
         start, end = step.time_range.start, step.time_range.end

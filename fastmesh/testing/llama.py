@@ -29,7 +29,6 @@ logits (a DTensor ``Shard(-1)``, for ``loss_parallel``): ``ColwiseParallel(input
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -171,7 +170,7 @@ def native_block_plan() -> dict:
     }
 
 
-def fused_block_plan(fp8=None, chunks: Optional[int] = None) -> dict:
+def fused_block_plan(fp8=None, chunks: int | None = None) -> dict:
     return {
         "attention_norm": SequenceParallel(),
         "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), fp8=fp8, chunks=chunks),
@@ -182,7 +181,7 @@ def fused_block_plan(fp8=None, chunks: Optional[int] = None) -> dict:
     }
 
 
-def block_plan(plan: str, fp8=None, chunks: Optional[int] = None) -> dict:
+def block_plan(plan: str, fp8=None, chunks: int | None = None) -> dict:
     """``"native"`` or ``"fastmesh"`` (``fp8`` and ``chunks`` apply to fastmesh's plan)."""
     if plan == "native":
         if fp8 is not None:
@@ -193,16 +192,23 @@ def block_plan(plan: str, fp8=None, chunks: Optional[int] = None) -> dict:
     raise ValueError(f"plan must be 'native' or 'fastmesh', got {plan!r}")
 
 
-def parallelize_llama(model: Llama, tp_mesh: DeviceMesh, plan: str, fp8=None, chunks: Optional[int] = None) -> Llama:
+def parallelize_llama(model: Llama, tp_mesh: DeviceMesh, plan: str, fp8=None, chunks: int | None = None) -> Llama:
     """Apply one of the two TP plans to the whole model, in place. Logits come out as a vocab-sharded DTensor
     (use ``torch.distributed.tensor.parallel.loss_parallel`` for the loss)."""
-    head = (ColwiseParallel(input_layouts=Shard(1), use_local_output=False) if plan == "native"
-            else FusedColwiseParallel(use_local_output=False, fp8=fp8, chunks=chunks))
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": head,
-    })
+    head = (
+        ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+        if plan == "native"
+        else FusedColwiseParallel(use_local_output=False, fp8=fp8, chunks=chunks)
+    )
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": head,
+        },
+    )
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, block_plan(plan, fp8, chunks))
     return model

@@ -20,8 +20,8 @@ inline void check_granularity_dims(const at::Tensor& x, Granularity granularity,
                                    const char* op) {
   const int64_t min_dims =
       granularity == Granularity::kTensorwise ? 0 : (granularity == Granularity::kBlock128x128 ? 2 : 1);
-  TORCH_CHECK_VALUE(x.dim() >= min_dims, op, ": granularity '", std::string(name), "' needs x with at least ",
-                    min_dims, " dim(s), got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.dim() >= min_dims, op, ": granularity '", std::string(name), "' needs x with at least ", min_dims,
+                    " dim(s), got shape ", x.sizes());
 }
 
 // A given scale or amax: float32, on x's device, in the scale layout.
@@ -44,8 +44,8 @@ struct QuantizeCall {
 };
 
 inline QuantizeCall check_quantize_args(const at::Tensor& x, at::ScalarType dtype, c10::string_view granularity,
-                                        const std::optional<at::Tensor>& scale,
-                                        const std::optional<at::Tensor>& amax, bool transpose, const char* op) {
+                                        const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& amax,
+                                        bool transpose, const char* op) {
   check_float_input(x, op, "x");
   QuantizeCall call{parse_fp8_format(dtype), parse_granularity(granularity), {}, false};
   check_granularity_dims(x, call.granularity, granularity, op);

@@ -38,10 +38,14 @@ enum class Split { kRows, kColumns, kNone };
 
 // "rows" | "columns" | "none" (the names fastmesh/ops/plans.py uses); false for anything else.
 inline bool parse_split(const std::string& name, Split* out) {
-  if (name == "rows") *out = Split::kRows;
-  else if (name == "columns") *out = Split::kColumns;
-  else if (name == "none") *out = Split::kNone;
-  else return false;
+  if (name == "rows")
+    *out = Split::kRows;
+  else if (name == "columns")
+    *out = Split::kColumns;
+  else if (name == "none")
+    *out = Split::kNone;
+  else
+    return false;
   return true;
 }
 
