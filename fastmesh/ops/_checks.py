@@ -20,6 +20,38 @@ BLOCK = 128
 _MIN_DIMS = {"tensorwise": 0, "rowwise": 1, "block1x128": 1, "block128x128": 2}
 
 
+def dtype_names(dtypes) -> str:
+    """``(torch.float32, torch.bfloat16)`` as ``"float32 or bfloat16"``, the way error messages list them."""
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def check_tensor(
+    t,
+    op: str,
+    arg: str,
+    dtypes,
+    *,
+    min_dim: int = 0,
+    max_dim: int | None = None,
+    device: torch.device | None = None,
+    device_of: str = "",
+) -> None:
+    """``t`` is a dense tensor of one of ``dtypes`` with ``min_dim..max_dim`` dims (on ``device``, the device of
+    the argument named ``device_of``, when given); else a TypeError (type, dtype) or ValueError naming ``arg``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: {arg} must be {dtype_names(dtypes)}, got {t.dtype}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{op}: {arg} must be a dense (strided) tensor, got {t.layout}")
+    if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
+        wanted = f"{min_dim}" if min_dim == max_dim else f"at least {min_dim}"
+        raise ValueError(f"{op}: {arg} must have {wanted} dim(s), got shape {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{op}: {arg} must be on {device_of}'s device {device}, got {t.device}")
+
+
 def check_float_input(x: torch.Tensor, op: str, arg: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(x).__name__}")
