@@ -69,7 +69,7 @@ def _local_b(b, mesh, op: str, arg: str, allowed: tuple, hint: str):
     return b.to_local(), placement
 
 
-def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, chunks, fp8):
+def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, fp8):
     op = "fastmesh.all_gather_matmul"
     if not is_dtensor(a_shard):
         raise TypeError(
@@ -101,7 +101,7 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, chunks, f
         )
         locals_.append(local)
         placements.append(placement)
-    a_local, outs = front(a_shard.to_local(), locals_, dim, group=mesh, return_a=return_a, chunks=chunks, fp8=fp8)
+    a_local, outs = front(a_shard.to_local(), locals_, dim, group=mesh, return_a=return_a, pieces=pieces, fp8=fp8)
     full_shape = list(a_shard.shape)
     out_dtensors = []
     for b, local, out, placement in zip(bs, locals_, outs, placements):
@@ -112,7 +112,7 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, chunks, f
     return a_full, out_dtensors
 
 
-def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, chunks, fp8):
+def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, pieces, fp8):
     op = "fastmesh.matmul_reduce_scatter"
     if not is_dtensor(a):
         raise TypeError(f"{op}: b is a DTensor, so a must be a DTensor placed Shard(-1) too, got a {type(a).__name__}")
@@ -124,7 +124,7 @@ def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, chunks, fp
             f"row-parallel layer's input), got {a.placements[0]!r}"
         )
     b_local, _ = _local_b(b, mesh, op, "b", (Shard(0),), "Shard(0) (rows matching a's shards)")
-    out = front(a.to_local(), b_local, scatter_dim, group=mesh, reduce_op=reduce_op, chunks=chunks, fp8=fp8)
+    out = front(a.to_local(), b_local, scatter_dim, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
     dim = wrap_dim(scatter_dim, a.dim(), op, "scatter_dim", "a")
     n = b.shape[1] if is_dtensor(b) else b_local.shape[1]
     return _wrap(out, mesh, Shard(dim), list(a.shape[:-1]) + [n])

@@ -93,6 +93,7 @@ from fastmesh.ops._fused_common import (
     input_grad_operands,
     reduce_scatter_gathered_grad,
     resolve_group,
+    resolve_pieces,
     rows,
     scattered_shape,
 )
@@ -352,8 +353,9 @@ def all_gather_matmul(
     *,
     group=None,
     return_a: bool = False,
-    chunks: int | None = None,
+    pieces: int | None = None,
     fp8: Float8Config | None = None,
+    chunks: int | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """All-gather ``a_shard`` along ``gather_dim`` and multiply the result by each ``b``, overlapped.
 
@@ -376,7 +378,7 @@ def all_gather_matmul(
         group: ``ProcessGroup``, 1-D ``DeviceMesh``, ``(mesh, axis_name)``, group name, or ``None`` for the
             default group.
         return_a: also return the gathered ``a``.
-        chunks: pipeline pieces of rows per rank (``None``: the call's plan, see the module docstring; 1: no
+        pieces: pipeline pieces of rows per rank (``None``: the call's plan, see the module docstring; 1: no
             overlap beyond the local shard's multiply).
         fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to run in FP8:
             ``a_shard`` travels as FP8 plus scales and the multiplies are scaled matmuls into a's dtype
@@ -384,6 +386,7 @@ def all_gather_matmul(
             (``gather_dim`` not the last dim); the returned ``a`` is then the dequantized FP8 gather, whose
             gradient passes straight through the quantization (added to the products' terms in the input
             dtype, then one reduce-scatter).
+        chunks: deprecated alias of ``pieces`` (warns).
 
     Returns:
         ``(a or None, [a @ b for b in bs])``.
@@ -402,21 +405,22 @@ def all_gather_matmul(
             f"fastmesh.all_gather_matmul: bs must be a list of matrices, got a Tensor of shape "
             f"{list(bs.shape)}; pass [b] for one"
         )
+    pieces = resolve_pieces(pieces, chunks, "fastmesh.all_gather_matmul")
     if _dtensor.is_dtensor(a_shard) or any(_dtensor.is_dtensor(b) for b in bs):
-        return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, chunks, fp8)
+        return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, pieces, fp8)
     name = _group_name_of(group)
-    chunks = 0 if chunks is None else chunks
+    pieces = 0 if pieces is None else pieces
     bs = list(bs)
     if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
-        _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), chunks)
+        _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces)
     _cpp_lib.require()
     if fp8 is not None:
         return all_gather_matmul_fp8(
-            a_shard, bs, gather_dim, name, return_a, chunks, check_config(fp8, "fastmesh.all_gather_matmul")
+            a_shard, bs, gather_dim, name, return_a, pieces, check_config(fp8, "fastmesh.all_gather_matmul")
         )
     # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
     want_a = return_a or (torch.is_grad_enabled() and any(b.requires_grad for b in bs))
-    a_full, outs = torch.ops.fastmesh.all_gather_matmul(a_shard, bs, gather_dim, name, want_a, chunks)
+    a_full, outs = torch.ops.fastmesh.all_gather_matmul(a_shard, bs, gather_dim, name, want_a, pieces)
     return (a_full if return_a else None), list(outs)
 
 
@@ -427,8 +431,9 @@ def matmul_reduce_scatter(
     *,
     group=None,
     reduce_op: str = "sum",
-    chunks: int | None = None,
+    pieces: int | None = None,
     fp8: Float8Config | None = None,
+    chunks: int | None = None,
 ) -> torch.Tensor:
     """Multiply ``a @ b`` and reduce-scatter the product along ``scatter_dim``, overlapped.
 
@@ -447,9 +452,10 @@ def matmul_reduce_scatter(
             the columns.
         group: as for :func:`all_gather_matmul`.
         reduce_op: ``"sum"`` or ``"avg"``.
-        chunks: pipeline pieces of rows per rank (``None``: the call's plan, see the module docstring).
+        pieces: pipeline pieces of rows per rank (``None``: the call's plan, see the module docstring).
         fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to multiply in FP8
             (scaled matmuls into a's dtype; the product is reduced in a's dtype).
+        chunks: deprecated alias of ``pieces`` (warns).
 
     Returns:
         This rank's block of the reduced product: ``a @ b``'s shape with ``scatter_dim`` divided by the
@@ -460,15 +466,16 @@ def matmul_reduce_scatter(
         >>> # xdoctest: +SKIP("needs a process group")
         >>> y_shard = fastmesh.matmul_reduce_scatter(h, w2_t_shard, scatter_dim=0, group=mesh["tp"])
     """
+    pieces = resolve_pieces(pieces, chunks, "fastmesh.matmul_reduce_scatter")
     if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
-        return _dtensor.matmul_reduce_scatter(matmul_reduce_scatter, a, b, scatter_dim, group, reduce_op, chunks, fp8)
+        return _dtensor.matmul_reduce_scatter(matmul_reduce_scatter, a, b, scatter_dim, group, reduce_op, pieces, fp8)
     name = _group_name_of(group)
-    chunks = 0 if chunks is None else chunks
+    pieces = 0 if pieces is None else pieces
     if not torch.compiler.is_compiling():
-        _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), chunks)
+        _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), pieces)
     _cpp_lib.require()
     if fp8 is not None:
         return matmul_reduce_scatter_fp8(
-            a, b, scatter_dim, name, reduce_op, chunks, check_config(fp8, "fastmesh.matmul_reduce_scatter")
+            a, b, scatter_dim, name, reduce_op, pieces, check_config(fp8, "fastmesh.matmul_reduce_scatter")
         )
-    return torch.ops.fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, name, chunks)
+    return torch.ops.fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, name, pieces)
