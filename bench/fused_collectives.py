@@ -41,6 +41,7 @@ from fastmesh.bench.timing import time_slowest_rank
 
 import fastmesh
 from fastmesh.ops import plans
+from fastmesh.ops._collectives import all_gather_into, reduce_scatter_into
 
 E4M3 = torch.float8_e4m3fn
 _OP_CODES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}
@@ -98,36 +99,36 @@ class Spec:
     shape: tuple  # this rank's a_shard (all_gather_matmul) or a (matmul_reduce_scatter)
     dim: int  # gather_dim / scatter_dim, as given (may be negative)
     ns: tuple  # columns of each b
-    chunks: int = 0  # the fused op's piece count (0: its automatic choice)
+    pieces: int = 0  # the fused op's piece count (0: its automatic choice)
 
     def label(self):
         repeated = len(self.ns) > 1 and len(set(self.ns)) == 1
         ns = f"{len(self.ns)}x{self.ns[0]}" if repeated else ",".join(map(str, self.ns))
-        chunks = f" chunks={self.chunks}" if self.chunks else ""
-        return f"{self.op} [{', '.join(map(str, self.shape))}] d{self.dim} N={ns}{chunks}"
+        pieces = f" pieces={self.pieces}" if self.pieces else ""
+        return f"{self.op} [{', '.join(map(str, self.shape))}] d{self.dim} N={ns}{pieces}"
 
 
 def parse_spec(spec: str, world: int = 2, family: str = "fused_collectives") -> Spec:
     """A ``--case`` spec of ``family`` (see the module docstring); ValueError says the expected form."""
     try:
-        code, shape, dim, ns, *chunks = spec.split(":")
-        if len(chunks) > 1:
+        code, shape, dim, ns, *pieces = spec.split(":")
+        if len(pieces) > 1:
             raise ValueError
         parsed = Spec(
             _OP_CODES[code],
             tuple(int(s) for s in shape.split("x")),
             int(dim),
             tuple(int(n) for n in ns.split(",")),
-            int(chunks[0]) if chunks else 0,
+            int(pieces[0]) if pieces else 0,
         )
     except (KeyError, ValueError):
         raise ValueError(
-            f'{family} case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:CHUNKS]", '
+            f'{family} case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:PIECES]", '
             'e.g. "ag:2048x4096:0:384" or "ag:2048x4096:0:384:4"'
         ) from None
     ndim = len(parsed.shape)
-    if parsed.chunks < 0:
-        raise ValueError(f"{family} case {spec!r}: CHUNKS must be >= 0 (0: the op's automatic count)")
+    if parsed.pieces < 0:
+        raise ValueError(f"{family} case {spec!r}: PIECES must be >= 0 (0: the op's automatic count)")
     if ndim < 2 or not -ndim <= parsed.dim < ndim or min(parsed.shape + parsed.ns) <= 0:
         raise ValueError(f"{family} case {spec!r}: the shape needs >= 2 positive dims and dim in [{-ndim}, {ndim})")
     if parsed.op == "matmul_reduce_scatter":
@@ -140,14 +141,6 @@ def parse_spec(spec: str, world: int = 2, family: str = "fused_collectives") -> 
                 f"divisible by the {world} ranks"
             )
     return parsed
-
-
-def c10d_collectives():
-    """(all_gather, reduce_scatter) c10d calls into preallocated buffers: torch 2.14 renames *_into_tensor /
-    *_tensor to *_single (the old names warn); torch 2.11 has only the old names."""
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return all_gather, reduce_scatter
 
 
 def _random(shape, dtype, seed, device, scale=1.0):
@@ -204,7 +197,7 @@ class _Gather:
         self.spec, self.group, self.world, self.rank = spec, group, world, rank
         self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
         self.fused_op = "fastmesh::all_gather_scaled_matmul" if granularity else "fastmesh::all_gather_matmul"
-        self.all_gather, _ = c10d_collectives()
+        self.all_gather = all_gather_into
         dtype = TORCH_DTYPES[dtype_name]
         self.dim = spec.dim % len(spec.shape)
         k = spec.shape[-1] * (world if self.dim == len(spec.shape) - 1 else 1)
@@ -251,10 +244,10 @@ class _Gather:
                 self.group.group_name,
                 torch.bfloat16,
                 False,
-                self.spec.chunks,
+                self.spec.pieces,
             )[2]
         return fastmesh.all_gather_matmul(
-            self.shard, self.bs, self.spec.dim, group=self.group, chunks=self.spec.chunks or None
+            self.shard, self.bs, self.spec.dim, group=self.group, pieces=self.spec.pieces or None
         )[1]
 
     def comm(self):
@@ -329,7 +322,7 @@ class _Scatter:
         self.spec, self.group, self.world, self.rank = spec, group, world, rank
         self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
         self.fused_op = "fastmesh::scaled_matmul_reduce_scatter" if granularity else "fastmesh::matmul_reduce_scatter"
-        _, self.reduce_scatter = c10d_collectives()
+        self.reduce_scatter = reduce_scatter_into
         dtype = TORCH_DTYPES[dtype_name]
         (n,) = spec.ns
         k = spec.shape[-1]
@@ -358,10 +351,10 @@ class _Scatter:
         if self.fp8:
             (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
             return torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-                a, a_scale, b, b_scale, self.spec.dim, "sum", self.group.group_name, torch.bfloat16, self.spec.chunks
+                a, a_scale, b, b_scale, self.spec.dim, "sum", self.group.group_name, torch.bfloat16, self.spec.pieces
             )
         return fastmesh.matmul_reduce_scatter(
-            self.a, self.b, self.spec.dim, group=self.group, chunks=self.spec.chunks or None
+            self.a, self.b, self.spec.dim, group=self.group, pieces=self.spec.pieces or None
         )
 
     def matmul(self):
@@ -447,7 +440,7 @@ def case_params(spec: Spec, granularity: str | None, world: int) -> dict:
         "shape": list(spec.shape),
         "dim": spec.dim,
         "ns": list(spec.ns),
-        "chunks": spec.chunks,
+        "pieces": spec.pieces,
         "granularity": granularity,
         "world": world,
     }

@@ -43,13 +43,14 @@ import torch.distributed as dist
 from fastmesh.bench import torchao_baselines
 from fastmesh.bench.family import Context, Family
 from fastmesh.bench.figures import Case, Contender
-from fastmesh.bench.fused_collectives import c10d_collectives, rowwise_scaled_mm_on_cpu
+from fastmesh.bench.fused_collectives import rowwise_scaled_mm_on_cpu
 from fastmesh.bench.timing import time_slowest_rank
 from torch.distributed.tensor.parallel import parallelize_module
 
 import fastmesh
 import fastmesh.compile
 from fastmesh.fp8 import Float8Config
+from fastmesh.ops._collectives import all_gather_into, reduce_scatter_into
 from fastmesh.testing.comm_profile import STEP_EVENT, cpu_profile, step_comm_times
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
 
@@ -206,7 +207,7 @@ def comm_step(shape, dtype, group, device):
     """The block step's collectives alone, as c10d collectives of the step's sizes."""
     batch, seq_len, dim, _ = shape
     world = group.size()
-    all_gather, reduce_scatter = c10d_collectives()
+    all_gather, reduce_scatter = all_gather_into, reduce_scatter_into
     shard_numel = batch * seq_len // world * dim
     shard = torch.randn(shard_numel, device=device).to(dtype)
     full = torch.randn(world * shard_numel, device=device).to(dtype)

@@ -58,41 +58,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "all_gather_matmul",
       [](const at::Tensor& a_shard, const std::vector<at::Tensor>& bs, int64_t gather_dim,
-         const std::string& group_name, bool return_a, int64_t chunks, const std::string& split) {
-        return fastmesh::fused::all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, chunks, split);
+         const std::string& group_name, bool return_a, int64_t pieces, const std::string& split) {
+        return fastmesh::fused::all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, pieces, split);
       },
-      "fastmesh::all_gather_matmul with the given schedule (split \"rows\" with `chunks` pieces, or \"none\").",
-      arg("a_shard"), arg("bs"), arg("gather_dim"), arg("group_name"), arg("return_a"), arg("chunks"), arg("split"),
+      "fastmesh::all_gather_matmul with the given schedule (split \"rows\" with `pieces` pieces, or \"none\").",
+      arg("a_shard"), arg("bs"), arg("gather_dim"), arg("group_name"), arg("return_a"), arg("pieces"), arg("split"),
       gil);
   m.def(
       "matmul_reduce_scatter",
       [](const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim, const std::string& reduce_op,
-         const std::string& group_name, int64_t chunks, const std::string& split) {
-        return fastmesh::fused::matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, chunks, split);
+         const std::string& group_name, int64_t pieces, const std::string& split) {
+        return fastmesh::fused::matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, pieces, split);
       },
       "fastmesh::matmul_reduce_scatter with the given schedule (split \"rows\", \"columns\" or \"none\").", arg("a"),
-      arg("b"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("chunks"), arg("split"), gil);
+      arg("b"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("pieces"), arg("split"), gil);
   m.def(
       "all_gather_scaled_matmul",
       [](const at::Tensor& a_shard, const at::Tensor& a_scale, const std::vector<at::Tensor>& bs,
          const std::vector<at::Tensor>& b_scales, int64_t gather_dim, const std::string& group_name,
-         at::ScalarType out_dtype, bool return_a, int64_t chunks, const std::string& split) {
+         at::ScalarType out_dtype, bool return_a, int64_t pieces, const std::string& split) {
         return fastmesh::fused::all_gather_scaled_matmul(a_shard, a_scale, bs, b_scales, gather_dim, group_name,
-                                                         out_dtype, return_a, chunks, split);
+                                                         out_dtype, return_a, pieces, split);
       },
       "fastmesh::all_gather_scaled_matmul with the given schedule.", arg("a_shard"), arg("a_scale"), arg("bs"),
-      arg("b_scales"), arg("gather_dim"), arg("group_name"), arg("out_dtype"), arg("return_a"), arg("chunks"),
+      arg("b_scales"), arg("gather_dim"), arg("group_name"), arg("out_dtype"), arg("return_a"), arg("pieces"),
       arg("split"), gil);
   m.def(
       "scaled_matmul_reduce_scatter",
       [](const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
          int64_t scatter_dim, const std::string& reduce_op, const std::string& group_name, at::ScalarType out_dtype,
-         int64_t chunks, const std::string& split) {
+         int64_t pieces, const std::string& split) {
         return fastmesh::fused::scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name,
-                                                             out_dtype, chunks, split);
+                                                             out_dtype, pieces, split);
       },
       "fastmesh::scaled_matmul_reduce_scatter with the given schedule.", arg("a"), arg("a_scale"), arg("b"),
-      arg("b_scale"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("out_dtype"), arg("chunks"),
+      arg("b_scale"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("out_dtype"), arg("pieces"),
       arg("split"), gil);
   m.def(
       "check_same_shape_on_all_ranks",

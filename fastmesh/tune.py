@@ -179,9 +179,9 @@ def _cases(args, parser) -> tuple:
             spec = parse_spec(text, args.world)
         except ValueError as error:
             parser.error(f"--case: {error}")  # the error quotes the spec
-        if spec.chunks:
+        if spec.pieces:
             parser.error(
-                f"--case {text!r}: a piece count (:{spec.chunks}) fixes the plan, so there is nothing to "
+                f"--case {text!r}: a piece count (:{spec.pieces}) fixes the plan, so there is nothing to "
                 "measure; leave it out"
             )
         if args.fp8 and spec.op == "all_gather_matmul" and spec.dim in (-1, len(spec.shape) - 1):

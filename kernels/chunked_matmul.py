@@ -1,118 +1,27 @@
-"""The consumer GEMM of the fused all-gather+matmul on CUDA: ``C = A @ B`` while A's rows are still arriving.
+"""The consumer GEMM of the fused all-gather + matmul on CUDA: ``C = A @ B`` while A's rows are still arriving.
 
-On CUDA, ``all_gather_matmul`` moves the gathered operand A (the rows of every rank) in chunks on a
-side stream. After a chunk has landed, that stream sets the chunk's 32-bit flag. The kernel here runs
-at the same time on the compute stream. It computes C one tile at a time, and before it reads the A
-rows of a tile it spins on the flag of every chunk those rows touch. The plain-PyTorch equivalent,
-once every flag has reached ``expected``, is::
+A *chunk* is what one flag guards: a contiguous range of A's rows and its 32-bit flag. The producer (a side
+stream) sets a chunk's flag once its rows have landed; this kernel, running at the same time, spins on the flags
+of every chunk a tile's rows touch before it reads them. Once every flag has reached ``expected``::
 
-    c = a @ b        # fp32 accumulation, rounded once to a.dtype
+    c = a @ b        # fp32 accumulation, rounded once to a.dtype; with a row_map: c[row_map] = a @ b
 
 Shapes (``chunk_starts`` splits A's rows into ``num_chunks`` contiguous chunks, of any sizes)::
 
-    =============  =========================  ===============================================
     a              [M, K]  fp32 / bf16 / fp16  any strides
     b              [K, N]  a.dtype             any strides (b = w.t() of a row-major w is fine)
     flags          [num_chunks]  int32         chunk c has landed once flags[c] >= expected
-    chunk_starts   [num_chunks + 1]  int       0 = s_0 <= s_1 <= ... <= s_num_chunks = M;
-                                               chunk c is rows [s_c, s_c+1) (it may be empty)
-    order          [num_chunks]  int           the order in which the chunks arrive (default
-                                               0, 1, ...): a permutation of range(num_chunks)
+    chunk_starts   [num_chunks + 1]  int       0 = s_0 <= ... <= s_num_chunks = M; chunk c: rows [s_c, s_c+1)
+    order          [num_chunks]  int           the order in which the chunks arrive (default 0, 1, ...)
     error          [1]  int32                  0, or 1 + the highest chunk whose wait timed out
     row_map        [M]  int (optional)         row r of A @ B is written to row row_map[r] of c
     c (returned)   [M, N]  a.dtype             ``out`` if given (any strides); [R, N] with a row_map
-    =============  =========================  ===============================================
 
-Tile order
-----------
-The grid has one program per [BLOCK_M, BLOCK_N] tile of C, or ``max_programs`` programs that take
-tiles ``p, p + max_programs, ...``. Tile ids map to tiles in the order in which their A rows become
-readable. Programs start roughly in id order, so early programs work on the chunks that arrive first:
-
-1. :func:`block_schedule` sorts the M-blocks (the BLOCK_M-row stripes of A and C) by the arrival
-   position (the index in ``order``) of the last-arriving chunk that their rows touch. Ties keep
-   row order. A stripe that straddles chunks is ready when the later of them has arrived.
-2. Each run of M-blocks with the same key (the stripes that become ready together, when one chunk
-   lands) is cut into groups of ``group_m`` consecutive M-blocks. A group is never cut across runs,
-   so its programs never wait for two different chunks.
-3. Within a group, program ids walk the group's M-blocks fastest and then the N-blocks, as in
-   Triton's grouped matmul. ``group_m`` stripes of A and one stripe of B stay hot in L2.
-
-Concretely, the schedule is an int32 ``[num_blocks_m, 5]`` table. Row ``s`` (a slot in arrival order)
-holds ``(m_block, group_start, group_size, first_chunk, last_chunk)``. ``group_start`` and
-``group_size`` describe the group that contains slot ``s``. The chunks are those the stripe's rows
-touch. Tile ``t`` reads row ``t // num_blocks_n``, which lies inside its group, then::
-
-    local = t - group_start * num_blocks_n
-    slot  = group_start + local % group_size        ->  m_block = schedule[slot, 0]
-    n_block = local // group_size
-
-The table depends only on ``chunk_starts``, ``order``, ``M`` and the block sizes, not on N or K. The
-launcher computes it on the host from the host values of ``chunk_starts`` and ``order``. It caches the
-table as a device tensor, keyed by those values, in a :class:`ChunkPlan` (with the chunk starts and the
-row map); :func:`launch_chunked_matmul` launches a prepared plan with no host-to-device copy.
-
-Waiting, and what happens when a chunk is lost
-----------------------------------------------
-Before it loads A, a program visits each non-empty chunk ``c`` in ``[first_chunk, last_chunk]`` and
-reads ``flags[c]`` with an acquire atomic (``atomic_add(flags + c, 0, sem="acquire", scope="sys")``).
-It repeats the read until the flag reaches ``expected``. Because the test is ``>=`` against an
-``expected`` passed at launch, flags can be reused across calls with an increasing epoch and never
-need to be reset. The spin is bounded: after ``max_spins`` further reads the program gives up. It
-then does ``atomic_max(error, c + 1)`` and returns without loading A or writing its tile. A lost
-chunk therefore costs a bounded wait and never hangs the GPU. Tiles that do not touch the lost chunk
-are still computed.
-
-Reading ``error`` on the host needs a device sync, so the hot path leaves it on the device. The caller
-passes a persistent zero-initialized ``error`` and checks it later with :func:`check_chunk_wait`
-(for example once per step). ``error`` is sticky: the kernel only raises it with ``atomic_max``, and
-the caller resets it. ``chunked_matmul(..., check=True)`` syncs and raises at once. ``check``
-defaults to True when no ``error`` is passed, because otherwise nobody could ever see a timeout.
-
-Who may write the flags: the producer must never be starved of SMs
-------------------------------------------------------------------
-A waiting program holds its SM slot while it spins. If the consumer grid is at least as large as the
-GPU's resident capacity, waiting programs can occupy every SM. A producer that needs an SM (NCCL's
-kernels, a flag-setting kernel, a copy kernel) might then never be scheduled, and the consumer would
-wait on it forever: a deadlock, or here a timeout. Two ways out:
-
-* a producer that needs no SM: copy-engine transfers (``cudaMemcpyAsync``; that the driver runs a
-  same-device copy on a copy engine is the usual behaviour, not verified on hardware here) and stream
-  memory operations (``cuStreamWriteValue32``, which PyTorch's own async-TP uses through
-  ``_SymmetricMemory.stream_write_value32``);
-* a capped grid (``max_programs`` below the SM count, as ``fastmesh/ops/chunked_gather.py`` launches it
-  next to NCCL): each program then computes several tiles in arrival order, and the SMs that no consumer
-  program holds stay free for the producer's kernels.
-
-The consumer itself never waits on anything that needs an SM.
-
-Memory ordering
----------------
-The producer's stream orders the work: a chunk's data copy completes before the flag write that
-follows it on the same stream begins. On the consumer side, the flag is read with an *acquire* at
-system scope. System scope is used because the flag may be written by a peer GPU's copy engine over
-NVLink. Triton lowers the add-of-zero to one thread's ``ld.global.sys.acquire.b32``. The value
-reaches the other threads through shared memory behind a ``bar.sync``. The sm_90 compile test
-checks both the acquire and the loop. So no load of A's rows can be performed before the flag read
-that allowed it. Those loads also cannot be served from a stale L1 line, because an acquire at
-gpu/sys scope invalidates L1. A plain or ``volatile`` load would give neither guarantee. ``A`` is
-read directly from global memory. It is not copied through a buffer the producer might still be
-writing.
-
-On one GPU, :func:`loopback_chunked_matmul` plays the producer (chunked copies on a high-priority side
-stream, optional delays), so tests can exercise the waits.
-
-Interpreter notes (``TRITON_INTERPRET=1``; the tests run this kernel on CPU that way)
------------------------------------------------------------------------------------
-* Under the interpreter (triton 3.8), ``tl.dot`` multiplies the raw bf16 bit patterns (numpy has no
-  bf16). The kernel therefore widens bf16 tiles to fp32 before the dot when interpreted. This is
-  exact: widening is a shift. On the GPU the dot runs on bf16 tensor cores. Products of bf16 values
-  are exact in fp32 either way. Only the accumulation order differs.
-* The interpreter's fp32 -> bf16 cast truncates. ``_to_output`` rounds bf16 to nearest-even with
-  integer operations, on both the interpreter and the GPU (a few integer operations per output
-  element in the epilogue), so an interpreted result rounds as the GPU's does.
-* Programs run one after another in the interpreter, so a flag that is not set at launch is never
-  set. Tests pre-set the flags, or leave one unset to test the timeout with a small ``max_spins``.
+Tiles run in arrival order (:func:`block_schedule`). Each wait is bounded (``max_spins``): a lost chunk leaves its
+tiles unwritten and sets ``error`` (:func:`check_chunk_wait` raises :class:`ChunkWaitTimeout`) instead of hanging
+the GPU. The producer must never need an SM the spinning consumer holds: copy engines, stream memory operations,
+or a capped grid (``max_programs``). Not differentiable. Errors: TypeError / ValueError naming the argument.
+Design (tile order, waiting, memory ordering, the interpreter): ``docs/design/fused-collectives.md``.
 """
 
 from __future__ import annotations
@@ -141,10 +50,8 @@ __all__ = [
     "loopback_chunked_matmul",
 ]
 
-# Each spin is one thread's acquire load from L2 plus two CTA barriers: of the order of a microsecond
-# or less (an estimate, not measured). 2**26 spins therefore give a late chunk some tens of seconds
-# before its tiles give up, while real chunks arrive within milliseconds. The bound exists so that a
-# lost chunk turns into an error instead of a hung GPU.
+# Some tens of seconds of spinning (an estimate: docs/design/fused-collectives.md), where real chunks arrive
+# within milliseconds: a lost chunk turns into an error instead of a hung GPU.
 DEFAULT_MAX_SPINS = 1 << 26
 _INT32_MAX = 2**31 - 1
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -253,9 +160,10 @@ def _chunked_matmul_kernel(
     """[BLOCK_M, BLOCK_N] tiles of C = A @ B, each after the A chunks of its rows have landed.
 
     Program p computes tiles p, p + num_programs, ... in schedule order (one tile each when the grid
-    covers every tile). schedule: int32 [num_blocks_m, 5] (see the module docstring for the
-    tile -> block mapping). starts: int32 [num_chunks + 1] chunk row offsets (empty chunks are not
-    waited for). row_map (HAS_ROW_MAP): int32 [M], the row of C that each row of A produces.
+    covers every tile). schedule: int32 [num_blocks_m, 5] (:func:`block_schedule`; the tile -> block
+    mapping is in docs/design/fused-collectives.md). starts: int32 [num_chunks + 1] chunk row offsets
+    (empty chunks are not waited for). row_map (HAS_ROW_MAP): int32 [M], the row of C that each row of A
+    produces.
     """
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         row = schedule_ptr + (tile // num_blocks_n) * 5
@@ -272,7 +180,7 @@ def _chunked_matmul_kernel(
         failed = 0
         while (chunk <= last_chunk) & (failed == 0):
             if tl.load(starts_ptr + chunk + 1) > tl.load(starts_ptr + chunk):
-                # Acquire: the A loads below cannot be performed before this read (module docstring).
+                # Acquire: the A loads below cannot be performed before this read (docs/design/fused-collectives.md).
                 flag = tl.atomic_add(flags_ptr + chunk, 0, sem="acquire", scope="sys")
                 spins = 0
                 while (flag < expected) & (spins < max_spins):
@@ -375,7 +283,7 @@ def _check_order(order: tuple[int, ...] | None, num_chunks: int) -> tuple[int, .
 
 
 def block_schedule(chunk_starts, order=None, *, block_m: int, group_m: int = 1) -> torch.Tensor:
-    """The consumer's M-block schedule (module docstring, "Tile order"), as a CPU int32 tensor.
+    """The consumer's M-block schedule (docs/design/fused-collectives.md, "Tile order"), as a CPU int32 tensor.
 
     Args:
         chunk_starts: ``num_chunks + 1`` non-decreasing row offsets from 0 to M (tensor or ints).
@@ -764,12 +672,8 @@ def loopback_chunked_matmul(
     (``torch.cuda._sleep``) so that chunks arrive late, and sets each chunk's flag after its copy. The
     consumer kernel is launched on the current stream right away, so its programs really wait.
 
-    The flag is set with a 4-byte device-to-device ``copy_`` from a preset device tensor. torch runs
-    a contiguous same-dtype copy as ``cudaMemcpyAsync``, which needs no SM slot. A flag-setting
-    kernel could be starved by the spinning consumer (module docstring). The sleeps are tiny SM
-    kernels. The side stream's high priority puts them ahead of the consumer's pending programs as
-    soon as an SM slot frees, and the consumer's first programs (on the first chunk) free slots.
-    This is a test harness. The production producer moves data with copy engines only.
+    Each flag is set by a 4-byte device-to-device ``copy_`` (``cudaMemcpyAsync``: no SM slot, so the spinning
+    consumer cannot starve it; docs/design/fused-collectives.md). A test harness.
 
     Raises ValueError for non-CUDA tensors. With ``check`` (the default), this syncs and raises
     :class:`ChunkWaitTimeout` if a wait timed out.

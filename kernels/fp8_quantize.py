@@ -3,7 +3,7 @@
 The contract is that of :func:`fastmesh.kernels.fp8_reference.quantize`, bit for bit (NaN bytes aside:
 the kernels write the hardware's canonical NaN). Per scaling group, on ``x`` viewed as ``[M, K]``::
 
-    amax  = max |x|                                   fp32, NaN wins (raw-bits max, see below)
+    amax  = max |x|                                   fp32, NaN wins (an integer max of the magnitude bits)
     q     = quant_scale_from_amax(amax)               fp8_max / amax correctly rounded; 1 if amax == 0;
                                                       FLT_MAX if that overflows; mantissa cleared
                                                       with power_of_two      (csrc/.../fp8_math.h)
@@ -11,38 +11,10 @@ the kernels write the hardware's canonical NaN). Per scaling group, on ``x`` vie
     data  = fp8(clamp(float(x) * q, -fp8_max, fp8_max))   one fp32 multiply, native RNE cast
     scale = 1 / q
 
-Kernels and passes over ``x`` (M rows, K columns; "tile" = a 2-D block of one program):
-
-===================  ==================  ==============================================================
-granularity          scale source        kernels
-===================  ==================  ==============================================================
-tensorwise           current             ``_amax_flat_kernel`` (atomic max of fp32 bits into one word),
-                                         then ``_quantize_tiles_kernel`` reading that word: 2 passes,
-                                         no host sync
-tensorwise           given amax / scale  ``_quantize_tiles_kernel`` alone (with a given scale it also
-                                         atomically maxes each tile's amax into the returned amax)
-rowwise              any                 ``_rowwise_kernel``: a program owns a few rows, reduces their
-                                         amax, then casts them (the second sweep hits cache; rows up to
-                                         4096 columns stay in registers)
-rowwise, transpose   current             ``_amax_tiles_kernel`` (row and column amax of every tile,
-                                         atomics) then ``_quantize_tiles_kernel`` writing data and
-                                         data_t: 2 reads, 2 writes
-block1x128           any                 ``_quantize_tiles_kernel`` on [32, 128] tiles: one pass
-block1x128, transp.  current             ``_quantize_tiles_kernel`` on [128, 128] tiles: the tile holds
-                                         whole 1x128 row groups and whole 128x1 column groups: one pass
-block128x128         any (+ transpose)   ``_quantize_tiles_kernel``, one program per 128x128 tile
-===================  ==================  ==============================================================
-
-Transposed outputs are written from the same registers: the tile is cast with the column groups'
-multipliers (or reused when the multiplier is shared) and stored through ``tl.trans``.
-
-The amax is taken on raw bits: ``bits(float(x)) & 0x7fffffff`` as int32 orders like ``|x|`` (+inf
-above every finite value, every NaN above +inf), so an integer max is a NaN-propagating abs-max and the
-cross-program combine is one ``atomic_max`` on int32 (csrc/include/fastmesh/amax_math.h).
-
-``quantize`` and ``amax`` take ``wrap``: the callable applied to each kernel before launching it.
-The op layer passes ``torch.library.wrap_triton`` so that compiled graphs see the kernels; tests under
-``TRITON_INTERPRET=1`` pass nothing and the kernels run directly.
+Shapes: those of the op (``fastmesh/ops/fp8_quantize.py``; :func:`scale_shape`). :func:`quantize` and
+:func:`amax` check their arguments (TypeError / ValueError) and take ``wrap``, applied to each kernel before its
+launch (the op passes ``torch.library.wrap_triton``; tests under ``TRITON_INTERPRET=1`` pass nothing). Which
+kernels run for each granularity, and why: ``docs/design/fp8.md``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of FP8 cast-and-scale: the oracle for tests and benchmarks.
 
-It follows the op contract of ``fastmesh.ops.fp8`` formula for formula, with ordinary torch ops and no
+It follows the op contract of ``fastmesh.ops.fp8_quantize`` formula for formula, with ordinary torch ops and no
 fastmesh code, so that every kernel (C++, CUDA, Triton) can be compared with it bit for bit:
 
 * per scaling group, ``amax = max |x|`` in fp32 (NaN wins, inf propagates, 0 for an empty group);

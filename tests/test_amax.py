@@ -28,7 +28,7 @@ def test_matches_reference(dtype, shape):
     torch.testing.assert_close(result, reference_amax(x), rtol=0, atol=0)
 
 
-def test_large_input_uses_every_chunk():
+def test_large_input_uses_every_grain():
     # Larger than several parallel_reduce grains; the maximum sits in the last one.
     x = torch.rand(1 << 20)
     x[-1] = -7.5

@@ -107,8 +107,8 @@ def test_runner_every_family_on_tiny_sizes(tmp_path):
     block = {r["dtype"]: r for r in rows["tp_block"]["rows"]}
     assert {"native", "native_c", "native_c+pass", "fastmesh_c"} <= set(block["float32"]["figures"])
     assert "pass_speedup" in block["float32"]["ratios"] and "native" in block["float8"]["figures"]
-    assert sum("chunks=2" in r["case"] and r["params"]["chunks"] == 2 for r in fused) == 3  # float32, 2 x float8
-    assert all(r["plan"]["label"] == "rowsx2" for r in fused if r["params"]["chunks"] == 2)
+    assert sum("pieces=2" in r["case"] and r["params"]["pieces"] == 2 for r in fused) == 3  # float32, 2 x float8
+    assert all(r["plan"]["label"] == "rowsx2" for r in fused if r["params"]["pieces"] == 2)
     notes = " ".join(rows["fused_collectives"]["notes"])
     assert "symm_mem baseline not run" in notes and "[64, 64] d-1 N=16 float8 skipped" in notes
     # The table and the progress lines.
@@ -145,7 +145,7 @@ def test_sweep_names_each_plan_and_summarizes(tmp_path):
         assert row["plan"]["label"] and row["plan"]["source"] and row["plan"]["label"] in row["plan"]["decision"]
         assert f"({row['plan']['label']}, {row['plan']['source']})" in stdout, "the progress line names the plan"
     # a piece count given in the case is the plan the timed calls ran
-    assert [r["plan"]["label"] for r in rows if r["params"]["chunks"] == 2] == ["rowsx2", "rowsx2"]
+    assert [r["plan"]["label"] for r in rows if r["params"]["pieces"] == 2] == ["rowsx2", "rowsx2"]
     speedups = [r["ratios"]["speedup_vs_best_unfused"]["median"] for r in rows]
     summary = sweep["summary"]
     assert list(summary) == ["float32", "float8", "all"] and summary["all"]["shapes"] == 4
@@ -205,8 +205,8 @@ def test_runner_under_torchrun_uses_its_world(tmp_path):
     "args, message",
     [
         (["--case", "fused_collectives=rs:3x64:0:64"], "must be divisible by the 2 ranks"),
-        (["--case", "fused_collectives=xx:64:0:32"], 'expected "ag|rs:DxDx..:dim:N[,N..][:CHUNKS]"'),
-        (["--case", "fused_collectives=ag:64x128:0:32:-1"], "CHUNKS must be >= 0"),
+        (["--case", "fused_collectives=xx:64:0:32"], 'expected "ag|rs:DxDx..:dim:N[,N..][:PIECES]"'),
+        (["--case", "fused_collectives=ag:64x128:0:32:-1"], "PIECES must be >= 0"),
         (["--case", "sweep=ag:64x128:0"], "sweep case 'ag:64x128:0': expected"),
         (["--case", "tp_block=2x64x200x256"], "must be positive and divisible by the 2 ranks"),
         (["--case", "fp8_quantize=100x256"], "multiples of 128"),

@@ -72,7 +72,7 @@ LAYOUT_CASES = [
 @pytest.mark.parametrize("world, rank", [(2, 0), (2, 1), (3, 2), (4, 1)])
 def test_gather_layout_puts_every_row_where_the_gather_does(shape, dim, pieces, world, rank):
     """Each arrival row (piece-major, rank-minor) maps to the row of the gathered a that holds the same
-    shard row of the same rank; this rank's chunks come first in the arrival order."""
+    shard row of the same rank; this rank's pieces come first in the arrival order."""
     layout = chunked_gather.gather_layout(shape, dim, world, rank, pieces)
     rows, k = math.prod(shape[:-1]), shape[-1]
     # Label every row: rank j's shard row s is j * 1000 + s.
@@ -154,7 +154,7 @@ def test_loopback_rejects_bad_arguments():
 
 # ---- interpreter: the kernel on CPU ----
 
-# (shard shape, gather dim, world, rank, chunks, number of bs)
+# (shard shape, gather dim, world, rank, pieces, number of bs)
 LOOPBACK_CASES = [
     ((1, 7), 0, 2, 1, 0, 1),  # one shard row
     ((5, 7), 0, 2, 0, 3, 2),  # row pieces, a permuted layout
@@ -167,22 +167,22 @@ LOOPBACK_CASES = [
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("shape, dim, world, rank, chunks, num_bs", LOOPBACK_CASES)
-def test_loopback_equals_gather_then_matmul(shape, dim, world, rank, chunks, num_bs, dtype):
+@pytest.mark.parametrize("shape, dim, world, rank, pieces, num_bs", LOOPBACK_CASES)
+def test_loopback_equals_gather_then_matmul(shape, dim, world, rank, pieces, num_bs, dtype):
     shards = [small_ints(shape, dtype, seed=j) for j in range(world)]
     k = shape[-1]
     bs = [small_ints((k, n), dtype, seed=100 + n) for n in (5, 18, 3)[:num_bs]]
     bs[0] = bs[0].t().contiguous().t()  # a transposed weight, as nn.Linear's w.t()
     transport = chunked_gather.LoopbackTransport(shards, rank)
     a_full, outs = chunked_gather.all_gather_chunked_matmul(
-        shards[rank], bs, dim, transport, return_a=True, chunks=chunks
+        shards[rank], bs, dim, transport, return_a=True, pieces=pieces
     )
     a_ref, outs_ref = reference(shards, bs, dim)
     assert_same(a_full, a_ref.to(dtype), "gathered a")
     for i, (out, expected) in enumerate(zip(outs, outs_ref)):
         assert_same(out, expected.to(dtype), f"out {i}")
     a_none, outs_again = chunked_gather.all_gather_chunked_matmul(
-        shards[rank], bs, dim, transport, return_a=False, chunks=chunks
+        shards[rank], bs, dim, transport, return_a=False, pieces=pieces
     )
     assert a_none is None and all(torch.equal(x, y) for x, y in zip(outs, outs_again))
 
@@ -193,7 +193,7 @@ def test_loopback_with_an_empty_b():
     shards = [small_ints((3, 5), torch.float32, seed=j) for j in range(2)]
     bs = [small_ints((5, 0), torch.float32, seed=1), small_ints((5, 4), torch.float32, seed=2)]
     a_full, outs = chunked_gather.all_gather_chunked_matmul(
-        shards[1], bs, 0, chunked_gather.LoopbackTransport(shards, 1), return_a=True, chunks=2
+        shards[1], bs, 0, chunked_gather.LoopbackTransport(shards, 1), return_a=True, pieces=2
     )
     a_ref, outs_ref = reference(shards, bs, 0)
     assert outs[0].shape == (6, 0)
@@ -224,12 +224,12 @@ def test_a_lost_piece_raises():
     transport = _LosingTransport(shards, rank, lost=1)
     with pytest.raises(ChunkWaitTimeout, match=r"gave up waiting for chunk 3\b") as raised:
         chunked_gather.all_gather_chunked_matmul(
-            shards[rank], [torch.ones(4, 3)], 0, transport, return_a=False, chunks=2, max_spins=3
+            shards[rank], [torch.ones(4, 3)], 0, transport, return_a=False, pieces=2, max_spins=3
         )
     assert raised.value.chunk == 3  # piece 1, rank 1
 
 
-def _through_the_cuda_kernel(shape, dim, chunks, return_a, enabled):
+def _through_the_cuda_kernel(shape, dim, pieces, return_a, enabled):
     """Rank body: the op's CUDA kernel, called on CPU tensors over gloo (the kernel is device-agnostic Python
     apart from the side stream), against the CPU op; and the path it logged."""
     from fastmesh.ops import fused_collectives
@@ -242,8 +242,8 @@ def _through_the_cuda_kernel(shape, dim, chunks, return_a, enabled):
     try:
         with plan_log() as messages:
             name = fastmesh.group_name(dist.group.WORLD)
-            a_full, outs = fused_collectives._all_gather_matmul_cuda(shards[rank], bs, dim, name, return_a, chunks)
-            expected_a, expected = torch.ops.fastmesh.all_gather_matmul(shards[rank], bs, dim, name, True, chunks)
+            a_full, outs = fused_collectives._all_gather_matmul_cuda(shards[rank], bs, dim, name, return_a, pieces)
+            expected_a, expected = torch.ops.fastmesh.all_gather_matmul(shards[rank], bs, dim, name, True, pieces)
     finally:
         os.environ.pop(chunked_gather.ENV_ENABLE)
     _, outs_ref = reference(shards, bs, dim)
@@ -260,8 +260,8 @@ def _through_the_cuda_kernel(shape, dim, chunks, return_a, enabled):
 @needs_interpreter
 @on_ranks(2, 3)
 def test_cuda_kernel_takes_the_consumer_gemm_when_enabled():
-    for shape, dim, chunks, return_a in [((4, 6), 0, 0, True), ((2, 5, 6), 1, 2, False), ((3, 2, 7), 0, 1, True)]:
-        messages = _through_the_cuda_kernel(shape, dim, chunks, return_a, enabled=True)
+    for shape, dim, pieces, return_a in [((4, 6), 0, 0, True), ((2, 5, 6), 1, 2, False), ((3, 2, 7), 0, 1, True)]:
+        messages = _through_the_cuda_kernel(shape, dim, pieces, return_a, enabled=True)
         # The CUDA kernel's plan first (the CPU op it is compared with logs its own after it).
         assert messages[0].endswith(": plan consumer_gemm (FASTMESH_CUDA_CONSUMER_GEMM=1)"), messages
 
@@ -282,13 +282,13 @@ def test_cuda_kernel_falls_back_and_says_why():
 
 
 @needs_cuda
-@pytest.mark.parametrize("shape, dim, world, rank, chunks", [((2048, 1024), 0, 4, 1, 0), ((4, 512, 1024), 1, 2, 0, 3)])
-def test_cuda_loopback_with_late_pieces(shape, dim, world, rank, chunks):
+@pytest.mark.parametrize("shape, dim, world, rank, pieces", [((2048, 1024), 0, 4, 1, 0), ((4, 512, 1024), 1, 2, 0, 3)])
+def test_cuda_loopback_with_late_pieces(shape, dim, world, rank, pieces):
     """Pieces copied in up to ~1 ms late on a side stream while the consumer's capped grid spins."""
     shards = [small_ints(shape, torch.bfloat16, seed=j, device="cuda") for j in range(world)]
     bs = [small_ints((shape[-1], 1536), torch.bfloat16, seed=7, device="cuda")]
     transport = chunked_gather.LoopbackTransport(shards, rank, delay_cycles=1_000_000)
-    a_full, outs = chunked_gather.all_gather_chunked_matmul(shards[rank], bs, dim, transport, True, chunks)
+    a_full, outs = chunked_gather.all_gather_chunked_matmul(shards[rank], bs, dim, transport, True, pieces)
     chunked_gather.raise_pending_timeouts(block=True)
     a_ref, outs_ref = reference(shards, bs, dim)
     assert_same(a_full.cpu(), a_ref.bfloat16(), "gathered a")
@@ -302,7 +302,7 @@ def test_cuda_lost_piece_is_reported_later():
     shards = [small_ints((256, 128), torch.bfloat16, seed=j, device="cuda") for j in range(2)]
     transport = _LosingTransport(shards, 0, lost=1)
     chunked_gather.all_gather_chunked_matmul(
-        shards[0], [shards[1][:128].t()], 0, transport, False, chunks=2, max_spins=1000
+        shards[0], [shards[1][:128].t()], 0, transport, False, pieces=2, max_spins=1000
     )
     with pytest.raises(ChunkWaitTimeout, match=r"chunk 3\b"):
         chunked_gather.raise_pending_timeouts(block=True)

@@ -13,7 +13,7 @@ from fastmesh.kernels import fp8_reference as ref
 from rank_pool import on_ranks
 
 import fastmesh
-from fastmesh.ops.fp8 import fp8_quantize
+from fastmesh.ops.fp8_quantize import fp8_quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = (E4M3, E5M2)

@@ -54,15 +54,15 @@ ROW_CASES = [(1, 7), (3, 42), (127, 33), (16, 64)]
 
 
 def _gather_cases(world):
-    for (rows, k), gather_dim, nbs, return_a, chunks in itertools.product(
+    for (rows, k), gather_dim, nbs, return_a, pieces in itertools.product(
         ROW_CASES, (0, 1, 2, -1), (1, 2, 3), (False, True), (0, 3)
     ):
         if gather_dim in (2, -1):
             k = max(1, k // world) if rows != 127 else 11  # contraction split: each rank holds K/W columns
-        yield rows, k, gather_dim, nbs, return_a, chunks
+        yield rows, k, gather_dim, nbs, return_a, pieces
 
 
-def _check_gather_case(rank, world, dtype, make, rows, k, gather_dim, nbs, return_a, chunks, exact):
+def _check_gather_case(rank, world, dtype, make, rows, k, gather_dim, nbs, return_a, pieces, exact):
     shape = shard_shape(rows, k, gather_dim % 3)
     a_shard = make(shape, dtype, seed=100 + rank)
     k_full = k * world if gather_dim % 3 == 2 else k
@@ -71,9 +71,9 @@ def _check_gather_case(rank, world, dtype, make, rows, k, gather_dim, nbs, retur
         make((k_full, 5 + 4 * i), dtype, seed=7 + i) if i % 2 == 0 else make((5 + 4 * i, k_full), dtype, seed=7 + i).t()
         for i in range(nbs)
     ]
-    got_a, got = fastmesh.all_gather_matmul(a_shard, bs, gather_dim, return_a=return_a, chunks=chunks or None)
+    got_a, got = fastmesh.all_gather_matmul(a_shard, bs, gather_dim, return_a=return_a, pieces=pieces or None)
     want_a, want = ref.all_gather_matmul(a_shard, bs, gather_dim, _world_name(), return_a=return_a)
-    case = f"shard {shape}, gather_dim {gather_dim}, {nbs} bs, return_a {return_a}, chunks {chunks}"
+    case = f"shard {shape}, gather_dim {gather_dim}, {nbs} bs, return_a {return_a}, pieces {pieces}"
     assert (got_a is None) == (not return_a), case
     if return_a:
         assert torch.equal(got_a, want_a), case
@@ -199,14 +199,14 @@ def test_random_calls_match_the_reference():
     rank, world, name = dist.get_rank(), dist.get_world_size(), _world_name()
     r = random.Random(2026)  # the same calls on every rank
     for call in range(40):
-        a, bs, dim, return_a, chunks = _random_gather_call(r, rank, world)
+        a, bs, dim, return_a, pieces = _random_gather_call(r, rank, world)
         case = f"call {call}: all_gather_matmul a {list(a.shape)}, bs {[list(b.shape) for b in bs]}, dim {dim}"
         results = []
         for fn in ("fused", "reference"):
             a_in = a.clone().requires_grad_()
             bs_in = [b.detach().clone().requires_grad_() for b in bs]
             if fn == "fused":
-                a_full, outs = fastmesh.all_gather_matmul(a_in, bs_in, dim, return_a=return_a, chunks=chunks)
+                a_full, outs = fastmesh.all_gather_matmul(a_in, bs_in, dim, return_a=return_a, pieces=pieces)
             else:
                 a_full, outs = ref.all_gather_matmul(a_in, bs_in, dim, name, return_a=return_a)
             loss = sum((o * (i + 2)).sum() for i, o in enumerate(outs)) + (a_full.sum() if return_a else 0)
@@ -214,13 +214,13 @@ def test_random_calls_match_the_reference():
             results.append([a_full, *outs, a_in.grad, *(b.grad for b in bs_in)])
         for got, want in zip(*results):
             assert (got is None and want is None) or torch.equal(got, want), case
-        a, b, dim, reduce_op, chunks = _random_scatter_call(r, rank, world)
+        a, b, dim, reduce_op, pieces = _random_scatter_call(r, rank, world)
         case = f"call {call}: matmul_reduce_scatter a {list(a.shape)}, b {list(b.shape)}, dim {dim}, {reduce_op}"
         results = []
         for fn in ("fused", "reference"):
             a_in, b_in = a.clone().requires_grad_(), b.detach().clone().requires_grad_()
             if fn == "fused":
-                out = fastmesh.matmul_reduce_scatter(a_in, b_in, dim, reduce_op=reduce_op, chunks=chunks)
+                out = fastmesh.matmul_reduce_scatter(a_in, b_in, dim, reduce_op=reduce_op, pieces=pieces)
             else:
                 out = ref.matmul_reduce_scatter(a_in, b_in, dim, reduce_op, name)
             (out * 3).sum().backward()
@@ -255,22 +255,22 @@ def test_empty_inputs_have_empty_gradients():
 
 
 def _scatter_cases(world):
-    for (rows, k), scatter_dim, reduce_op, chunks in itertools.product(
+    for (rows, k), scatter_dim, reduce_op, pieces in itertools.product(
         ROW_CASES, (0, 1, 2, -1), ("sum", "avg"), (0, 3)
     ):
-        yield rows, k, scatter_dim, reduce_op, chunks
+        yield rows, k, scatter_dim, reduce_op, pieces
 
 
-def _check_scatter_case(rank, world, dtype, make, rows, k, scatter_dim, reduce_op, chunks, exact):
+def _check_scatter_case(rank, world, dtype, make, rows, k, scatter_dim, reduce_op, pieces, exact):
     shape = [2, 5, k]
     n = 6 * world
     if scatter_dim % 3 != 2:
         shape[scatter_dim % 3] = rows * world
     a = make(shape, dtype, seed=200 + rank)
     b = make((k, n), dtype, seed=300 + rank)
-    got = fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op=reduce_op, chunks=chunks or None)
+    got = fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op=reduce_op, pieces=pieces or None)
     want = ref.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, _world_name())
-    case = f"a {shape}, b {[k, n]}, scatter_dim {scatter_dim}, {reduce_op}, chunks {chunks}"
+    case = f"a {shape}, b {[k, n]}, scatter_dim {scatter_dim}, {reduce_op}, pieces {pieces}"
     assert got.shape == want.shape and got.dtype == want.dtype, case
     if exact:
         assert torch.equal(got, want), f"{case}: max diff {(got.float() - want.float()).abs().max()}"
@@ -381,7 +381,7 @@ def test_one_pipelined_gather_per_call_whatever_the_number_of_bs(world_size):
     for nbs in (1, 3):
         bs = [torch.randn(16, 4, requires_grad=True) for _ in range(nbs)]
         result = {}
-        forward = c10d_calls(lambda: result.update(out=fastmesh.all_gather_matmul(a_shard, bs, 0, chunks=3)[1]))
+        forward = c10d_calls(lambda: result.update(out=fastmesh.all_gather_matmul(a_shard, bs, 0, pieces=3)[1]))
         assert forward == p2p_pieces(world_size, 3), forward
         backward = c10d_calls(lambda: sum(o.sum() for o in result["out"]).backward())
         assert backward == p2p_pieces(world_size, 3), backward
@@ -394,7 +394,7 @@ def test_reduce_scatter_backward_is_one_pipelined_gather(world_size):
     a = torch.randn(8, 16, requires_grad=True)
     b = torch.randn(16, 6, requires_grad=True)
     result = {}
-    forward = c10d_calls(lambda: result.update(out=fastmesh.matmul_reduce_scatter(a, b, 0, chunks=2)))
+    forward = c10d_calls(lambda: result.update(out=fastmesh.matmul_reduce_scatter(a, b, 0, pieces=2)))
     assert forward == p2p_pieces(world_size, 2), forward
     backward = c10d_calls(lambda: result["out"].sum().backward())
     assert backward == p2p_pieces(world_size, 2), backward
@@ -553,7 +553,7 @@ def _bad_all_gather_calls(world):
         ),
         (dict(a_shard=a, bs=[b.view(6, 5, 1)], gather_dim=0), ValueError, r"bs\[0\] must have 2 dim\(s\)"),
         (dict(a_shard=a.int(), bs=[b], gather_dim=0), TypeError, r"a_shard must be float32, bfloat16, float16"),
-        (dict(a_shard=a, bs=[b], gather_dim=0, chunks=-1), ValueError, r"chunks must be an int >= 0"),
+        (dict(a_shard=a, bs=[b], gather_dim=0, pieces=-1), ValueError, r"pieces must be an int >= 0"),
         (
             dict(a_shard=a, bs=[b], gather_dim=0, group="no-such-group"),
             ValueError,
@@ -594,6 +594,24 @@ def test_bad_inputs_raise_on_every_rank(world_size):
 
 
 @on_ranks(2)
+def test_chunks_is_a_deprecated_alias_of_pieces(world_size):
+    """chunks= still works, warns (pointing at the caller), and cannot be combined with pieces=."""
+    a, b = small_ints((4, 6), torch.float32, 0), small_ints((6, 4), torch.float32, 1)
+    calls = {
+        "fastmesh.all_gather_matmul": lambda **kw: fastmesh.all_gather_matmul(a, [b], 0, **kw)[1][0],
+        "fastmesh.matmul_reduce_scatter": lambda **kw: fastmesh.matmul_reduce_scatter(a, b, 0, **kw),
+    }
+    for front, call in calls.items():
+        want = call(pieces=2)
+        with pytest.warns(FutureWarning, match=rf"{front}: chunks= is deprecated, use pieces=") as record:
+            got = call(chunks=2)
+        assert torch.equal(got, want), front
+        assert record[0].filename == __file__, record[0].filename
+        with pytest.raises(TypeError, match=rf"{front}: pass pieces= only; chunks= is its deprecated alias"):
+            call(pieces=2, chunks=2)
+
+
+@on_ranks(2)
 def test_kernel_checks_bypassing_python(world_size):
     """The C++ kernels check the same things (for callers of torch.ops.fastmesh.* with real tensors)."""
     name = _world_name()
@@ -602,7 +620,7 @@ def test_kernel_checks_bypassing_python(world_size):
             continue  # not a Tensor[]: the dispatcher refuses it before any kernel
         if "group" in kwargs or kwargs["a_shard"].dtype != torch.float32 or any(b.is_meta for b in kwargs["bs"]):
             continue  # resolved or rejected before the kernel
-        args = (kwargs["a_shard"], kwargs["bs"], kwargs["gather_dim"], name, False, kwargs.get("chunks", 0))
+        args = (kwargs["a_shard"], kwargs["bs"], kwargs["gather_dim"], name, False, kwargs.get("pieces", 0))
         with pytest.raises(error, match=match):
             _call_cpu_kernel("all_gather_matmul", *args)
     for kwargs, error, match in _bad_reduce_scatter_calls(world_size):

@@ -63,7 +63,7 @@ def _gather_reference(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype):
 @on_ranks(2, 4)
 def test_all_gather_scaled_matmul_exact():
     rank, name = dist.get_rank(), _world_name()
-    for gather_dim, rowwise_a, rowwise_b, out_dtype, nbs, chunks in itertools.product(
+    for gather_dim, rowwise_a, rowwise_b, out_dtype, nbs, pieces in itertools.product(
         (0, 1, -2), ROWWISE_CASES, ROWWISE_CASES, (torch.bfloat16, torch.float32), (1, 2), (0, 2)
     ):
         shape = [3, 5, 24]
@@ -73,10 +73,10 @@ def test_all_gather_scaled_matmul_exact():
         bs = [fp8_ints((24, 7 + i), E4M3, seed=20 + i).t().contiguous().t() for i in range(nbs)]  # column-major
         b_scales = [pow2_scale([1, b.shape[1]] if rowwise_b else [], seed=30 + i) for i, b in enumerate(bs)]
         a_full, a_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
-            a, a_scale, bs, b_scales, gather_dim, name, out_dtype, True, chunks
+            a, a_scale, bs, b_scales, gather_dim, name, out_dtype, True, pieces
         )
         want_a, want = _gather_reference(a, a_scale, bs, b_scales, gather_dim, out_dtype)
-        case = f"gather_dim {gather_dim}, rowwise a {rowwise_a} b {rowwise_b}, {out_dtype}, {nbs} bs, chunks {chunks}"
+        case = f"gather_dim {gather_dim}, rowwise a {rowwise_a} b {rowwise_b}, {out_dtype}, {nbs} bs, pieces {pieces}"
         assert a_full.dtype == E4M3 and a_full_scale.shape == a_full.shape[:-1] + (1,), case
         assert torch.equal(dequantize(a_full, a_full_scale), want_a), case
         for got, w in zip(outs, want):
@@ -86,7 +86,7 @@ def test_all_gather_scaled_matmul_exact():
 @on_ranks(2, 4)
 def test_scaled_matmul_reduce_scatter_exact(world_size):
     rank, name = dist.get_rank(), _world_name()
-    for scatter_dim, rowwise_a, rowwise_b, reduce_op, chunks in itertools.product(
+    for scatter_dim, rowwise_a, rowwise_b, reduce_op, pieces in itertools.product(
         (0, 1, -1), ROWWISE_CASES, ROWWISE_CASES, ("sum", "avg"), (0, 3)
     ):
         shape = [world_size, 3 * world_size, 16]
@@ -95,7 +95,7 @@ def test_scaled_matmul_reduce_scatter_exact(world_size):
         b = fp8_ints((2 * world_size, 16), E4M3, seed=20 + rank).t()
         b_scale = pow2_scale([1, b.shape[1]] if rowwise_b else [], seed=30 + rank)
         got = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-            a, a_scale, b, b_scale, scatter_dim, reduce_op, name, torch.float32, chunks
+            a, a_scale, b, b_scale, scatter_dim, reduce_op, name, torch.float32, pieces
         )
         product = (dequantize(a, a_scale) @ dequantize(b, b_scale)).float()
         want = ref.reduce_scatter(product, scatter_dim, name, reduce_op)
@@ -210,17 +210,17 @@ def _fp8_pieces_by_the_fixed_rule(world_size):
     one = torch.ones(())
     op = torch.ops.fastmesh.scaled_matmul_reduce_scatter
     op(a, one, b, one, 0, "sum", name, torch.float32, 0)  # the first call's shape check is behind us
-    for chunks, pieces in ((0, 1), (3, 3)):
-        calls = c10d_calls(lambda: op(a, one, b, one, 0, "sum", name, torch.float32, chunks))
-        assert calls == p2p_pieces(world_size, pieces), (chunks, calls)
+    for given, pieces in ((0, 1), (3, 3)):
+        calls = c10d_calls(lambda: op(a, one, b, one, 0, "sum", name, torch.float32, given))
+        assert calls == p2p_pieces(world_size, pieces), (given, calls)
     gather = torch.ops.fastmesh.all_gather_scaled_matmul
     a_shard = fp8_ints((1024, 1024), E4M3, seed=dist.get_rank())  # 1 MiB per rank: 2 pieces by size
     b = fp8_ints((8, 1024), E4M3, seed=2).t()
     gather(a_shard, one, [b], [one], 0, name, torch.float32, False, 0)
-    for chunks, pieces in ((0, 1), (3, 3)):
-        calls = c10d_calls(lambda: gather(a_shard, one, [b], [one], 0, name, torch.float32, False, chunks))
+    for given, pieces in ((0, 1), (3, 3)):
+        calls = c10d_calls(lambda: gather(a_shard, one, [b], [one], 0, name, torch.float32, False, given))
         # the pieces of data, and one all-gather of the ranks' scales beside them
-        assert calls == {**p2p_pieces(world_size, pieces), "c10d::_allgather_base_": 1}, (chunks, calls)
+        assert calls == {**p2p_pieces(world_size, pieces), "c10d::_allgather_base_": 1}, (given, calls)
 
 
 @on_ranks(2)
@@ -276,7 +276,7 @@ def test_fp8_bad_inputs():
         (
             lambda: ag(a.float(), one, [b], [one], 0, name, torch.bfloat16),
             TypeError,
-            r"a_shard must be torch.float8_e4m3fn or torch.float8_e5m2 data, got torch.float32",
+            r"a_shard must be float8_e4m3fn or float8_e5m2, got torch.float32",
         ),
         (
             lambda: ag(a, one, [b], [one], 1, name, torch.bfloat16),

@@ -173,7 +173,7 @@ def test_ranks_agree_in_one_all_reduce_per_new_key():
     plans.forget()
     a = small_ints((6, 5), torch.float32, dist.get_rank())
     b = small_ints((5, 4), torch.float32, 8)
-    fastmesh.all_gather_matmul(a, [b], 0, chunks=1)  # the first call's shape check is behind us
+    fastmesh.all_gather_matmul(a, [b], 0, pieces=1)  # the first call's shape check is behind us
     first = c10d_calls(lambda: fastmesh.all_gather_matmul(a, [b], 0))
     agreement = {name: first.pop(name) for name in list(first) if "all_reduce" in name or "allreduce" in name}
     assert agreement.get("c10d::allreduce_", agreement.get("_c10d_functional::all_reduce")) == 1, agreement
@@ -260,7 +260,7 @@ def test_modes_and_given_pieces():
     with environment(FASTMESH_TUNE="off"):
         fastmesh.all_gather_matmul(a, bs, 0)
         assert plans.last_decision(AG)[1].plan == plans.FIXED
-    fastmesh.all_gather_matmul(a, bs, 0, chunks=3)
+    fastmesh.all_gather_matmul(a, bs, 0, pieces=3)
     assert plans.last_decision(AG)[1] == plans.Decision(plans.Plan("rows", 3), "pieces= given")
     with (
         environment(FASTMESH_TUNE="fast"),

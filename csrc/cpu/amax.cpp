@@ -58,7 +58,7 @@ namespace {
 
 at::Tensor amax_cpu(const at::Tensor& x, c10::string_view granularity) {
   constexpr const char* kOp = "fastmesh::amax";
-  check_float_input(x, kOp, "x");
+  check_tensor(x, kOp, "x", kFloatInputs);
   const Granularity parsed = parse_granularity(granularity);
   check_granularity_dims(x, parsed, granularity, kOp);
   const auto sizes = scale_sizes(parsed, x.sizes());

@@ -4,7 +4,7 @@
 // The element math is fastmesh/fp8_math.h, shared with the CUDA kernel; x is read as a row-major
 // [m, k] matrix. Passes over x:
 //   tensorwise               current scaling: an amax pass, then a cast pass. Given scale or amax: one
-//                            pass (the amax of a given-scale call is taken chunk by chunk, in cache)
+//                            pass (the amax of a given-scale call is taken span by span, in cache)
 //   rowwise, block1x128      one pass over batches of rows: the groups' amaxes, then the cast, while the
 //                            batch is in L1
 //   block128x128, transpose  one pass over regions of 128 rows x 1024 columns (kept in L2): the amaxes
@@ -40,8 +40,8 @@ constexpr const char* kOp = "fastmesh::fp8_quantize";
 // Bytes of x per batch of rows (rowwise, block1x128): the batch is read twice, for the amax and for
 // the cast, and the second read should hit L1.
 constexpr int64_t kBatchBytes = 16 * 1024;
-// Elements per chunk of the tensorwise pass with a given scale, for the same reason.
-constexpr int64_t kFlatChunk = 8 * 1024;
+// Elements per span of the tensorwise pass with a given scale, for the same reason.
+constexpr int64_t kFlatSpan = 8 * 1024;
 // Columns of a region (block128x128, transpose): 128 rows of 1024 columns stay in L2 between passes.
 constexpr int64_t kRegionCols = 8 * kFp8Block;
 // Elements cast between two rounds of prefetching (see quantize_overlapped); a multiple of kFp8Block.
@@ -287,18 +287,18 @@ void quantize_flat(const Job<scalar_t>& job) {
   const bits amax = at::parallel_reduce(
       0, numel, kGrainSize, bits{0},
       [&](int64_t begin, int64_t end, bits acc) {
-        for (int64_t col0 = begin; col0 < end; col0 += kFlatChunk) {
-          const int64_t cols = std::min(kFlatChunk, end - col0);
-          const auto chunk = x.sub(0, col0, 1, cols);
+        for (int64_t col0 = begin; col0 < end; col0 += kFlatSpan) {
+          const int64_t cols = std::min(kFlatSpan, end - col0);
+          const auto span = x.sub(0, col0, 1, cols);
           if (!job.compute_amax) {
-            quantize_panel(chunk, cols, &q, 0, out.sub(0, col0, 1, cols), Tag{});
+            quantize_panel(span, cols, &q, 0, out.sub(0, col0, 1, cols), Tag{});
             continue;
           }
-          bits chunk_amax;
-          max_magnitude_blocks(as_bits(chunk), cols, &chunk_amax);
-          acc = max_bits(acc, chunk_amax);
-          const auto next = x.sub(0, col0 + cols, 1, std::min(kFlatChunk, numel - col0 - cols));
-          quantize_overlapped<scalar_t, Tag>(chunk, numel, &q, 0, out.sub(0, col0, 1, cols), next);
+          bits span_amax;
+          max_magnitude_blocks(as_bits(span), cols, &span_amax);
+          acc = max_bits(acc, span_amax);
+          const auto next = x.sub(0, col0 + cols, 1, std::min(kFlatSpan, numel - col0 - cols));
+          quantize_overlapped<scalar_t, Tag>(span, numel, &q, 0, out.sub(0, col0, 1, cols), next);
         }
         return acc;
       },
@@ -433,15 +433,17 @@ void transpose_region(const Job<scalar_t>& job, int64_t stripe, int64_t col0, Pa
 template <typename scalar_t, typename Tag>
 void quantize_regions(const Job<scalar_t>& job) {
   using bits = bits_t<scalar_t>;
-  const int64_t chunks = ceil_div(job.x.cols, kRegionCols);
-  const int64_t regions = ceil_div(job.x.rows, kFp8Block) * chunks;
-  const auto region_at = [&](int64_t i) { return region_panel(job.x, i / chunks, i % chunks * kRegionCols); };
+  const int64_t regions_per_stripe = ceil_div(job.x.cols, kRegionCols);
+  const int64_t regions = ceil_div(job.x.rows, kFp8Block) * regions_per_stripe;
+  const auto region_at = [&](int64_t i) {
+    return region_panel(job.x, i / regions_per_stripe, i % regions_per_stripe * kRegionCols);
+  };
   const bits amax = at::parallel_reduce(
       0, regions, 1, bits{0},
       [&](int64_t begin, int64_t end, bits acc) {
         auto scratch = std::make_unique<RegionScratch<scalar_t>>();
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t stripe = i / chunks, col0 = i % chunks * kRegionCols;
+          const int64_t stripe = i / regions_per_stripe, col0 = i % regions_per_stripe * kRegionCols;
           const auto region = region_at(i);
           const auto region_out = data_panel(job).sub(stripe * kFp8Block, col0, region.rows, region.cols);
           const QLayout layout = region_multipliers(job, stripe, col0, region, *scratch, acc);

@@ -109,9 +109,9 @@ float tensor_amax(Panel<const scalar_t> x) {
   const bits result = at::parallel_reduce(
       0, numel, kGrainSize, bits{0},
       [&](int64_t begin, int64_t end, bits acc) {
-        bits chunk;
-        max_magnitude_blocks(as_bits(flat.sub(0, begin, 1, end - begin)), end - begin, &chunk);
-        return max_bits(acc, chunk);
+        bits range_max;
+        max_magnitude_blocks(as_bits(flat.sub(0, begin, 1, end - begin)), end - begin, &range_max);
+        return max_bits(acc, range_max);
       },
       [](bits a, bits b) { return max_bits(a, b); });
   return to_float<scalar_t>(result);
@@ -150,12 +150,12 @@ void group_amax(Panel<const scalar_t> x, Granularity granularity, float* out) {
   }
   // 128 x 128 tiles; a task covers a stripe and a few tiles so that every thread has work.
   constexpr int64_t kTilesPerTask = 8;
-  const int64_t chunks = ceil_div(grid.k, kTilesPerTask);
-  at::parallel_for(0, grid.m * chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks_per_stripe = ceil_div(grid.k, kTilesPerTask);
+  at::parallel_for(0, grid.m * tasks_per_stripe, 1, [&](int64_t begin, int64_t end) {
     std::vector<bits> columns(kTilesPerTask * kFp8Block);
     std::vector<bits> tiles(kTilesPerTask);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t stripe = task / chunks, tile0 = task % chunks * kTilesPerTask;
+      const int64_t stripe = task / tasks_per_stripe, tile0 = task % tasks_per_stripe * kTilesPerTask;
       const int64_t row0 = stripe * kFp8Block, col0 = tile0 * kFp8Block;
       const auto panel =
           x.sub(row0, col0, std::min(kFp8Block, x.rows - row0), std::min(kTilesPerTask * kFp8Block, x.cols - col0));

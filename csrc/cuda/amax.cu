@@ -47,8 +47,8 @@ __global__ void amax_kernel(const scalar_t* __restrict__ data, int64_t numel, ui
     vectorized = numel / kPerVector;
     const auto* vectors = reinterpret_cast<const uint4*>(raw);
     for (int64_t v = thread; v < vectorized; v += stride) {
-      const uint4 chunk = vectors[v];
-      const auto* lanes = reinterpret_cast<const bits_t*>(&chunk);
+      const uint4 packed = vectors[v];
+      const auto* lanes = reinterpret_cast<const bits_t*>(&packed);
 #pragma unroll
       for (int j = 0; j < kPerVector; ++j) acc = max_bits(acc, magnitude_bits(lanes[j]));
     }
@@ -82,7 +82,7 @@ void launch_amax(const at::Tensor& input, uint32_t* out_bits) {
 }
 
 at::Tensor amax_cuda(const at::Tensor& x, c10::string_view granularity) {
-  check_float_input(x, "fastmesh::amax", "x");
+  check_tensor(x, "fastmesh::amax", "x", kFloatInputs);
   const Granularity parsed = parse_granularity(granularity);
   check_granularity_dims(x, parsed, granularity, "fastmesh::amax");
   const c10::cuda::CUDAGuard guard(x.device());

@@ -30,12 +30,12 @@ constexpr const char* kOp = "fastmesh::all_gather_matmul";
 // Every rank adds the partial products in rank order, from products of the same shapes, so the
 // replicated result is bitwise identical on every rank (low-precision inputs: summed in fp32).
 void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorList bs, std::vector<at::Tensor>& outs,
-                        std::optional<at::Tensor>& a_full, int64_t chunks) {
+                        std::optional<at::Tensor>& a_full, int64_t pieces) {
   const int64_t world = group->getSize(), rank = group->getRank();
   const int64_t k = shard.size(-1);
   const at::Tensor shard_rows = rows_view(shard);
   const RowLayout layout = pipeline::row_layout(shard_rows.sizes(), 1);  // units = rows
-  GatheredPieces gathered(group, shard_rows, layout, chunks);
+  GatheredPieces gathered(group, shard_rows, layout, pieces);
 
   auto b_part = [&](size_t i, int64_t j) { return bs[i].narrow(0, j * k, k); };
   // The local partial products, per piece, while the first pieces travel.
@@ -73,11 +73,11 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
 std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul(const at::Tensor& a_shard,
                                                                                  at::TensorList bs, int64_t gather_dim,
                                                                                  c10::string_view group_name,
-                                                                                 bool return_a, int64_t chunks,
+                                                                                 bool return_a, int64_t pieces,
                                                                                  c10::string_view split) {
-  check_matmul_operand(a_shard, kOp, "a_shard", 1, INT64_MAX);
+  check_tensor(a_shard, kOp, "a_shard", kMatmulDtypes, 1);
   const int64_t dim = wrap_dim(gather_dim, a_shard.dim(), kOp, "gather_dim", "a_shard");
-  check_chunks(chunks, kOp);
+  check_pieces(pieces, kOp);
   const pipeline::Split schedule = check_split(split, kOp);
   TORCH_CHECK_VALUE(schedule != pipeline::Split::kColumns, kOp,
                     ": split \"columns\" is a reduce-scatter schedule; an all-gather takes \"rows\" or \"none\"");
@@ -92,7 +92,7 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
   const int64_t k_full = contraction ? a_shard.size(-1) * world : a_shard.size(-1);
   for (size_t i = 0; i < bs.size(); ++i) {
     const std::string arg = "bs[" + std::to_string(i) + "]";
-    check_matmul_operand(bs[i], kOp, arg, 2, 2);
+    check_tensor(bs[i], kOp, arg, kMatmulDtypes, 2, 2);
     check_like(bs[i], a_shard, kOp, arg, "a_shard");
     TORCH_CHECK_VALUE(bs[i].size(0) == k_full, kOp, ": ", arg, " must have ", k_full, " rows (the last dim of ",
                       contraction ? "the gathered a: a_shard's last dim times the group size " + std::to_string(world)
@@ -123,7 +123,7 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
   }
   const at::Tensor shard = a_shard.contiguous();
   if (contraction) {
-    gather_contraction(group, shard, bs, outs, a_full, chunks);
+    gather_contraction(group, shard, bs, outs, a_full, pieces);
     return {a_full, outs};
   }
   const RowLayout layout = pipeline::row_layout(shard.sizes(), dim);
@@ -137,7 +137,7 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
   std::vector<at::Tensor> out_blocks;
   for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
   const at::Tensor a_blocks = a_full ? rank_blocks_view(*a_full, layout, world) : at::Tensor();
-  gather_rows(group, shard, dim, a_full ? &a_blocks : nullptr, chunks,
+  gather_rows(group, shard, dim, a_full ? &a_blocks : nullptr, pieces,
               [&](int64_t j, Piece piece, const at::Tensor& rows) {
                 for (size_t i = 0; i < bs.size(); ++i)
                   matmul_into(rank_block(out_blocks[i], layout, j, piece), rows, bs[i]);

@@ -30,16 +30,16 @@ std::vector<int64_t> rowwise_sizes(at::IntArrayRef sizes) {
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_scaled_matmul(
     const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales,
-    int64_t gather_dim, c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t chunks,
+    int64_t gather_dim, c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t pieces,
     c10::string_view split) {
-  check_fp8_operand(a_shard, kOp, "a_shard", 2, INT64_MAX);
+  check_tensor(a_shard, kOp, "a_shard", kFp8Dtypes, 2);
   const int64_t dim = wrap_dim(gather_dim, a_shard.dim(), kOp, "gather_dim", "a_shard");
   TORCH_CHECK_VALUE(dim != a_shard.dim() - 1, kOp, ": the FP8 form gathers rows: gather_dim must not be the last dim (",
                     gather_dim, " for a_shard with ", a_shard.dim(),
                     " dims), since ranks' scales cannot share a dot product");
   bool any_rowwise = check_scale(a_scale, a_shard, rowwise_sizes(a_shard.sizes()), kOp, "a_scale", "a_shard");
   check_out_dtype(out_dtype, kOp);
-  check_chunks(chunks, kOp);
+  check_pieces(pieces, kOp);
   const pipeline::Split schedule = check_split(split, kOp);
   TORCH_CHECK_VALUE(schedule != pipeline::Split::kColumns, kOp,
                     ": split \"columns\" is a reduce-scatter schedule; an all-gather takes \"rows\" or \"none\"");
@@ -51,7 +51,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
                     b_scales.size());
   for (size_t i = 0; i < bs.size(); ++i) {
     const std::string arg = "bs[" + std::to_string(i) + "]";
-    check_fp8_operand(bs[i], kOp, arg, 2, 2);
+    check_tensor(bs[i], kOp, arg, kFp8Dtypes, 2, 2);
     TORCH_CHECK_VALUE(bs[i].device() == a_shard.device(), kOp, ": ", arg, " must be on a_shard's device ",
                       a_shard.device(), ", got ", bs[i].device());
     TORCH_CHECK_VALUE(bs[i].size(0) == a_shard.size(-1), kOp, ": ", arg, " must have ", a_shard.size(-1),
@@ -114,8 +114,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   std::vector<at::Tensor> out_blocks;
   for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
   const at::Tensor a_bytes = a_full ? rank_blocks_view(a_full->view(at::kByte), layout, world) : at::Tensor();
-  const int64_t pieces = scaled_pieces(chunks, shard.device());
-  gather_rows(group, shard.view(at::kByte), dim, a_full ? &a_bytes : nullptr, pieces,
+  gather_rows(group, shard.view(at::kByte), dim, a_full ? &a_bytes : nullptr, scaled_pieces(pieces, shard.device()),
               [&](int64_t j, Piece piece, const at::Tensor& block_bytes) {
                 if (j != rank && !scales_arrived) {
                   scales_transfer.wait(0);

@@ -14,17 +14,6 @@
 namespace fastmesh {
 namespace fused {
 
-inline void check_matmul_operand(const at::Tensor& t, const char* op, const std::string& arg, int64_t min_dim,
-                                 int64_t max_dim) {
-  const auto dtype = t.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble, op,
-                   ": ", arg, " must be float32, bfloat16, float16 or float64, got ", torch_dtype_name(dtype));
-  TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", arg, " must be a dense (strided) tensor, got ", t.layout());
-  TORCH_CHECK_VALUE(t.dim() >= min_dim && t.dim() <= max_dim, op, ": ", arg, " must have ",
-                    min_dim == max_dim ? std::to_string(min_dim) : "at least " + std::to_string(min_dim),
-                    " dim(s), got shape ", t.sizes());
-}
-
 inline void check_like(const at::Tensor& t, const at::Tensor& reference, const char* op, const std::string& arg,
                        const char* reference_arg) {
   TORCH_CHECK_TYPE(t.scalar_type() == reference.scalar_type(), op, ": ", arg, " must have ", reference_arg, "'s dtype ",
@@ -50,8 +39,8 @@ inline void check_reduce_op(c10::string_view reduce_op, const char* op) {
                     std::string(reduce_op), '"');
 }
 
-inline void check_chunks(int64_t chunks, const char* op) {
-  TORCH_CHECK_VALUE(chunks >= 0, op, ": chunks must be an int >= 0 (0 picks the count from the shapes), got ", chunks);
+inline void check_pieces(int64_t pieces, const char* op) {
+  TORCH_CHECK_VALUE(pieces >= 0, op, ": pieces must be an int >= 0 (0 picks the count from the shapes), got ", pieces);
 }
 
 // The call's schedule (fastmesh/pipeline.h): "rows", "columns" or "none".

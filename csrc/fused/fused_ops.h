@@ -2,7 +2,7 @@
 // the ops' kernels (fastmesh/ops/fused_collectives*.py) pick a plan per call (fastmesh/ops/plans.py) and
 // call these through fastmesh._C (csrc/module.cpp), or, on CUDA, the Triton consumer GEMM.
 //
-// `chunks` is the pipeline's piece count (0: chosen from the sizes) and `split` what a piece cuts
+// `pieces` is the pipeline's piece count (0: chosen from the sizes) and `split` what a piece cuts
 // ("rows", "columns" for the reduce-scatters, "none" for no pieces: the unfused sequence; pipeline.h).
 #pragma once
 
@@ -20,21 +20,21 @@ namespace fused {
 std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul(const at::Tensor& a_shard,
                                                                                  at::TensorList bs, int64_t gather_dim,
                                                                                  c10::string_view group_name,
-                                                                                 bool return_a, int64_t chunks,
+                                                                                 bool return_a, int64_t pieces,
                                                                                  c10::string_view split);
 
 at::Tensor matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
-                                 c10::string_view reduce_op, c10::string_view group_name, int64_t chunks,
+                                 c10::string_view reduce_op, c10::string_view group_name, int64_t pieces,
                                  c10::string_view split);
 
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_scaled_matmul(
     const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales,
-    int64_t gather_dim, c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t chunks,
+    int64_t gather_dim, c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t pieces,
     c10::string_view split);
 
 at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                                         const at::Tensor& b_scale, int64_t scatter_dim, c10::string_view reduce_op,
-                                        c10::string_view group_name, at::ScalarType out_dtype, int64_t chunks,
+                                        c10::string_view group_name, at::ScalarType out_dtype, int64_t pieces,
                                         c10::string_view split);
 
 }  // namespace fused

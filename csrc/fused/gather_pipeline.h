@@ -30,7 +30,7 @@ class GatheredPieces {
 
   // Starts every piece's transfer; the transport runs them back to back. A group of one has nothing to
   // receive: no pieces.
-  GatheredPieces(const Group& group, const at::Tensor& shard_rows, const RowLayout& layout, int64_t chunks,
+  GatheredPieces(const Group& group, const at::Tensor& shard_rows, const RowLayout& layout, int64_t requested_pieces,
                  const at::Tensor* destination = nullptr) {
     const int64_t world = group->getSize(), rank = group->getRank();
     if (world == 1) return;
@@ -38,7 +38,8 @@ class GatheredPieces {
     into_destination = p2p && destination != nullptr && layout.outer == 1;
     const int64_t k = shard_rows.size(1);
     pieces = pipeline::split_units(
-        layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * k * shard_rows.element_size(), chunks));
+        layout.units,
+        pipeline::choose_pieces(layout.units, layout.unit_rows * k * shard_rows.element_size(), requested_pieces));
     at::Tensor storage =
         into_destination ? at::Tensor() : at::empty({world * shard_rows.numel()}, shard_rows.options());
     int64_t offset = 0;
@@ -92,12 +93,12 @@ inline std::vector<int64_t> with_size(at::IntArrayRef sizes, int64_t dim, int64_
 // that rank `rank` holds for `piece`: first the whole local shard, then the others' parts of each
 // piece as it arrives. Copies every block into `a_blocks` ([P, W, Q, K] view of the gathered a) if given.
 template <typename MultiplyBlock>
-void gather_rows(const Group& group, const at::Tensor& shard, int64_t dim, const at::Tensor* a_blocks, int64_t chunks,
+void gather_rows(const Group& group, const at::Tensor& shard, int64_t dim, const at::Tensor* a_blocks, int64_t pieces,
                  const MultiplyBlock& multiply) {
   const int64_t world = group->getSize(), rank = group->getRank();
   const RowLayout layout = pipeline::row_layout(shard.sizes(), dim);
   const int64_t k = shard.size(-1);
-  GatheredPieces gathered(group, rows_view(shard), layout, chunks, a_blocks);
+  GatheredPieces gathered(group, rows_view(shard), layout, pieces, a_blocks);
 
   const at::Tensor shard_block = shard.view({layout.outer, layout.inner, k});
   const Piece whole{0, layout.units};

@@ -25,16 +25,16 @@ using pipeline::RowLayout;
 }  // namespace
 
 at::Tensor matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
-                                 c10::string_view reduce_op, c10::string_view group_name, int64_t chunks,
+                                 c10::string_view reduce_op, c10::string_view group_name, int64_t pieces,
                                  c10::string_view split) {
-  check_matmul_operand(a, kOp, "a", 1, INT64_MAX);
-  check_matmul_operand(b, kOp, "b", 2, 2);
+  check_tensor(a, kOp, "a", kMatmulDtypes, 1);
+  check_tensor(b, kOp, "b", kMatmulDtypes, 2, 2);
   check_like(b, a, kOp, "b", "a");
   TORCH_CHECK_VALUE(b.size(0) == a.size(-1), kOp, ": b must have ", a.size(-1), " rows (a's last dim), got shape ",
                     b.sizes());
   const int64_t dim = wrap_dim(scatter_dim, a.dim(), kOp, "scatter_dim", "a");
   check_reduce_op(reduce_op, kOp);
-  check_chunks(chunks, kOp);
+  check_pieces(pieces, kOp);
   const pipeline::Split schedule = check_split(split, kOp);
   const Group group = resolve_group(group_name, kOp);
   const int64_t world = group->getSize();
@@ -67,7 +67,7 @@ at::Tensor matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64
         .copy_(product.view({layout.outer, world, layout.inner / world, cw}).transpose(0, 1));
   };
   return reduce_scatter_product(
-      group, a.sizes(), n, dim, a.options(), reduce_op, chunks, schedule, kOp,
+      group, a.sizes(), n, dim, a.options(), reduce_op, pieces, schedule, kOp,
       [&](at::Tensor send, int64_t j, Piece piece, const RowLayout& layout) {
         if (columns) {
           const int64_t n_part = n / world;

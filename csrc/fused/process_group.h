@@ -25,9 +25,8 @@ Work start_all_gather(const Group& group, at::Tensor& output, at::Tensor& input)
 Work start_reduce_scatter_sum(const Group& group, at::Tensor& output, at::Tensor& input);
 
 // How the pieces of a fused op travel for tensors on `device`: point-to-point where the group's backend for
-// that device is gloo, collectives elsewhere. Over gloo's loopback TCP, send/recv moves the bytes of an
-// all-gather about 3x faster than gloo's all-gather does (measured 20 ms vs 69 ms for 32 MiB between 2
-// ranks), and the transfer's CPU time is CPU the multiplies need. NCCL's collectives are bandwidth-optimal.
+// that device is gloo (its send/recv is faster than its collectives, and takes less of the CPU the multiplies
+// need: docs/design/fused-collectives.md), collectives elsewhere (NCCL's are bandwidth-optimal).
 bool point_to_point(const Group& group, const at::Device& device);
 
 // Starts the point-to-point exchange of one all-gather piece: `mine` goes to every other rank and
@@ -82,11 +81,10 @@ class InFlight {
 // Errors on every rank, naming the op, the argument and each rank's shape, unless `tensor` has the same
 // shape and dtype on every rank of `group`. A transfer of mismatched sizes is not an error gloo reports:
 // it aborts the receiving process (an uncatchable C++ exception on its I/O thread) and hands the sender
-// garbage. The check is one small all-gather, but also a barrier at the start of every op: measured on a
-// 2-rank Llama block step, checking every call made the fused plan ~25% slower (each op waited for the
-// slower rank instead of overlapping the wait with its local multiply). So it runs on the first call of each
-// op and argument on each CPU group, and on every call (CPU or CUDA) with TORCH_DISTRIBUTED_DEBUG=DETAIL;
-// otherwise equal shapes are the caller's duty, as for torch's own collectives.
+// garbage. The check is one small all-gather, but also a barrier at the start of every op, too slow for every
+// call (docs/design/fused-collectives.md). So it runs on the first call of each op and argument on each CPU
+// group, and on every call (CPU or CUDA) with TORCH_DISTRIBUTED_DEBUG=DETAIL; otherwise equal shapes are the
+// caller's duty, as for torch's own collectives.
 void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor, const char* op, const char* arg);
 
 }  // namespace fused

@@ -19,16 +19,6 @@
 namespace fastmesh {
 namespace fused {
 
-inline void check_fp8_operand(const at::Tensor& data, const char* op, const std::string& arg, int64_t min_dim,
-                              int64_t max_dim) {
-  const auto dtype = data.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2, op, ": ", arg,
-                   " must be torch.float8_e4m3fn or torch.float8_e5m2 data, got ", torch_dtype_name(dtype));
-  TORCH_CHECK_VALUE(data.dim() >= min_dim && data.dim() <= max_dim, op, ": ", arg, " must have ",
-                    min_dim == max_dim ? std::to_string(min_dim) : "at least " + std::to_string(min_dim),
-                    " dim(s), got shape ", data.sizes());
-}
-
 // The scale of `data`: float32 on data's device, 0-d or `rowwise_sizes`. Returns whether it is row-wise.
 inline bool check_scale(const at::Tensor& scale, const at::Tensor& data, std::vector<int64_t> rowwise_sizes,
                         const char* op, const std::string& arg, const std::string& data_arg) {
@@ -79,14 +69,11 @@ inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale,
   return at::_scaled_mm(a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
 }
 
-// The piece count of an FP8 op: `chunks` as given, except that the automatic count (0) on CPU is one piece per
-// rank block. torch's CPU _scaled_mm converts all of b to float on every call: measured (torch 2.14, 1 thread),
-// a call costs as much as `b.to(float32)` plus the multiply, 1.6 ms for a [64, 4096] b whatever the rows (1 or
-// 16), as much as multiplying ~250 rows of it. Every extra piece repeats that conversion; with the size-based
-// count (8 pieces per rank block) the FP8 matmul-reduce-scatter of a [4096, 64] x [64, 4096] ran 80 ms on 2
-// ranks, with one piece 56 ms.
-inline int64_t scaled_pieces(int64_t chunks, const at::Device& device) {
-  return chunks == 0 && device.is_cpu() ? 1 : chunks;
+// The piece count of an FP8 op: `pieces` as given, except that the automatic count (0) on CPU is one piece per
+// rank block: torch's CPU _scaled_mm converts all of b to float on every call, so every extra piece repeats
+// that conversion (measured: docs/design/fp8.md).
+inline int64_t scaled_pieces(int64_t pieces, const at::Device& device) {
+  return pieces == 0 && device.is_cpu() ? 1 : pieces;
 }
 
 // The same into `block` ([B, rows, N], B * rows == a_rows' rows): written in place when it is one

@@ -24,10 +24,10 @@ using pipeline::RowLayout;
 
 at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                                         const at::Tensor& b_scale, int64_t scatter_dim, c10::string_view reduce_op,
-                                        c10::string_view group_name, at::ScalarType out_dtype, int64_t chunks,
+                                        c10::string_view group_name, at::ScalarType out_dtype, int64_t pieces,
                                         c10::string_view split) {
-  check_fp8_operand(a, kOp, "a", 1, INT64_MAX);
-  check_fp8_operand(b, kOp, "b", 2, 2);
+  check_tensor(a, kOp, "a", kFp8Dtypes, 1);
+  check_tensor(b, kOp, "b", kFp8Dtypes, 2, 2);
   TORCH_CHECK_VALUE(b.device() == a.device(), kOp, ": b must be on a's device ", a.device(), ", got ", b.device());
   TORCH_CHECK_VALUE(b.size(0) == a.size(-1), kOp, ": b must have ", a.size(-1), " rows (a's last dim), got shape ",
                     b.sizes());
@@ -39,7 +39,7 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
   const int64_t dim = wrap_dim(scatter_dim, a.dim(), kOp, "scatter_dim", "a");
   check_reduce_op(reduce_op, kOp);
   check_out_dtype(out_dtype, kOp);
-  check_chunks(chunks, kOp);
+  check_pieces(pieces, kOp);
   const pipeline::Split schedule = check_split(split, kOp);
   const Group group = resolve_group(group_name, kOp);
   const int64_t world = group->getSize();
@@ -78,7 +78,7 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
         .copy_(product.view({layout.outer, world, layout.inner / world, cw}).transpose(0, 1));
   };
   return reduce_scatter_product(
-      group, a.sizes(), n, dim, a.options().dtype(out_dtype), reduce_op, scaled_pieces(chunks, a.device()), schedule,
+      group, a.sizes(), n, dim, a.options().dtype(out_dtype), reduce_op, scaled_pieces(pieces, a.device()), schedule,
       kOp,
       [&](at::Tensor send, int64_t j, Piece piece, const RowLayout& layout) {
         if (columns) {

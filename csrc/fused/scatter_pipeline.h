@@ -22,12 +22,13 @@ namespace fused {
 // others' partials of its block and sums them itself, in rank order, piece by piece as they arrive.
 template <typename MultiplyPart>
 void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::RowLayout& layout, int64_t n_cols,
-                    int64_t chunks, const MultiplyPart& multiply_part) {
+                    int64_t requested_pieces, const MultiplyPart& multiply_part) {
   const int64_t world = group->getSize(), rank = group->getRank();
   const bool p2p = point_to_point(group, out.device());
   const at::Tensor out_rows = rows_view(out);
   const auto pieces = pipeline::split_units(
-      layout.units, pipeline::choose_pieces(layout.units, layout.unit_rows * n_cols * out.element_size(), chunks));
+      layout.units,
+      pipeline::choose_pieces(layout.units, layout.unit_rows * n_cols * out.element_size(), requested_pieces));
   std::vector<at::Tensor> sends, receives;  // alive until their transfers end (declared before `works`)
   InFlight works;
   for (size_t i = 0; i < pieces.size(); ++i) {
@@ -146,7 +147,7 @@ void scatter_column_pieces(const Group& group, const at::Tensor& out_rows, int64
 //   columns counted within one rank's block of the result.
 template <typename Multiply, typename MultiplyColumns>
 at::Tensor reduce_scatter_product(const Group& group, at::IntArrayRef a_sizes, int64_t n, int64_t dim,
-                                  const at::TensorOptions& options, c10::string_view reduce_op, int64_t chunks,
+                                  const at::TensorOptions& options, c10::string_view reduce_op, int64_t pieces,
                                   pipeline::Split split, const char* op, const Multiply& multiply,
                                   const MultiplyColumns& multiply_columns) {
   const int64_t world = group->getSize();
@@ -162,16 +163,16 @@ at::Tensor reduce_scatter_product(const Group& group, at::IntArrayRef a_sizes, i
 
   if (split != pipeline::Split::kRows) {
     const at::Tensor out_rows = rows_view(out);
-    const int64_t pieces =
+    const int64_t column_pieces =
         split == pipeline::Split::kNone
             ? 1
-            : pipeline::choose_pieces(out_rows.size(1), out_rows.size(0) * out.element_size(), chunks);
-    scatter_column_pieces(group, out_rows, pieces, multiply_columns);
+            : pipeline::choose_pieces(out_rows.size(1), out_rows.size(0) * out.element_size(), pieces);
+    scatter_column_pieces(group, out_rows, column_pieces, multiply_columns);
   } else if (dim == last) {
     const int64_t rows = out.numel() / out.size(-1);
-    scatter_pieces(group, out, pipeline::row_layout(std::vector<int64_t>{rows, 1}, 1), n / world, chunks, multiply);
+    scatter_pieces(group, out, pipeline::row_layout(std::vector<int64_t>{rows, 1}, 1), n / world, pieces, multiply);
   } else {
-    scatter_pieces(group, out, pipeline::row_layout(out.sizes(), dim), n, chunks, multiply);
+    scatter_pieces(group, out, pipeline::row_layout(out.sizes(), dim), n, pieces, multiply);
   }
   if (reduce_op == "avg") out.div_(world);  // gloo has no AVG; one spelling for every backend
   return out;

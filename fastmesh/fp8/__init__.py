@@ -2,6 +2,6 @@
 
 from fastmesh.fp8.config import Float8Config
 from fastmesh.fp8.delayed import DelayedScaling
-from fastmesh.ops.fp8 import Float8Quantized, quantize
+from fastmesh.ops.fp8_quantize import Float8Quantized, quantize
 
 __all__ = ["DelayedScaling", "Float8Config", "Float8Quantized", "quantize"]

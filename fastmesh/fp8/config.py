@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastmesh.ops._checks import FP8_DTYPES, GRANULARITIES
+from fastmesh.ops._checks import GRANULARITIES, check_fp8_dtype
 
 SCALINGS = ("current", "delayed")
 AMAX_COMPUTE = ("max", "most_recent")
@@ -40,10 +40,7 @@ class Float8Config:
 
     def __post_init__(self):
         for name in ("dtype", "grad_dtype"):
-            if getattr(self, name) not in FP8_DTYPES:
-                raise TypeError(
-                    f"Float8Config: {name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {getattr(self, name)}"
-                )
+            check_fp8_dtype(getattr(self, name), "Float8Config", name)
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"Float8Config: granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.scaling not in SCALINGS:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import torch
 
 from fastmesh.fp8.config import check_history
-from fastmesh.ops._checks import check_fp8_dtype
-from fastmesh.ops.fp8 import Float8Quantized, fp8_quantize
-
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+from fastmesh.ops._checks import FP8_MAX, check_fp8_dtype
+from fastmesh.ops.fp8_quantize import Float8Quantized, fp8_quantize
 
 
 class DelayedScaling:
@@ -52,7 +50,7 @@ class DelayedScaling:
     def scale(self) -> torch.Tensor:
         """The dequantization scale (0-d float32) for the next quantize."""
         amax = self.amax_history.max() if self.amax_compute == "max" else self.amax_history[0]
-        scale = amax * (2.0**self.margin) / _FP8_MAX[self.dtype]
+        scale = amax * (2.0**self.margin) / FP8_MAX[self.dtype]
         return torch.where(amax == 0, torch.ones_like(scale), scale)
 
     def update(self, amax: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
 from fastmesh.ops import _library  # noqa: F401  (defines the schemas on import)
 from fastmesh.ops.amax import amax
-from fastmesh.ops.fp8 import Float8Quantized, quantize
+from fastmesh.ops.fp8_quantize import Float8Quantized, quantize
 from fastmesh.ops.fused_collectives import all_gather_matmul, matmul_reduce_scatter
 
 __all__ = ["Float8Quantized", "all_gather_matmul", "amax", "matmul_reduce_scatter", "quantize"]

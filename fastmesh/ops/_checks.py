@@ -13,6 +13,7 @@ import torch
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # what fp8 quantize casts from
 MATMUL_DTYPES = (*FLOAT_INPUTS, torch.float64)  # the high-precision fused ops' operands
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # the largest finite value of each
 REDUCE_OPS = ("sum", "avg")
 GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128")
 BLOCK = 128
@@ -52,16 +53,9 @@ def check_tensor(
         raise ValueError(f"{op}: {arg} must be on {device_of}'s device {device}, got {t.device}")
 
 
-def check_float_input(x: torch.Tensor, op: str, arg: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_INPUTS:
-        raise TypeError(f"{op}: {arg} must be float32, bfloat16 or float16, got {x.dtype}")
-
-
-def check_fp8_dtype(dtype: torch.dtype, op: str) -> None:
+def check_fp8_dtype(dtype: torch.dtype, op: str, arg: str = "dtype") -> None:
     if dtype not in FP8_DTYPES:
-        raise TypeError(f"{op}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+        raise TypeError(f"{op}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
 
 
 def check_granularity(granularity: str, x: torch.Tensor, op: str) -> None:
@@ -88,12 +82,7 @@ def scale_shape(shape: torch.Size | tuple[int, ...], granularity: str) -> tuple[
 
 def check_per_group_tensor(t: torch.Tensor, arg: str, x: torch.Tensor, granularity: str, op: str) -> None:
     """A given scale or amax: float32, on x's device, in the scale layout of ``granularity``."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{op}: {arg} must be float32, got {t.dtype}")
-    if t.device != x.device:
-        raise ValueError(f"{op}: {arg} must be on x's device {x.device}, got {t.device}")
+    check_tensor(t, op, arg, (torch.float32,), device=x.device, device_of="x")
     expected = scale_shape(x.shape, granularity)
     if tuple(t.shape) != expected:
         raise ValueError(

@@ -1,4 +1,4 @@
-"""Pieces the high-precision and FP8 fused-collective ops share: group size, argument checks, autograd operands."""
+"""What the high-precision and FP8 fused-collective ops share: group size, argument checks, autograd operands."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import warnings
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from fastmesh.kernels.fused_reference import reduce_scatter
 from fastmesh.ops._checks import REDUCE_OPS
+from fastmesh.ops._collectives import reduce_scatter
 
 
 def resolve_group(group_name: str, op: str):
@@ -42,9 +42,9 @@ def resolve_pieces(pieces, chunks, where: str, stacklevel: int = 3):
     return chunks
 
 
-def check_chunks(chunks, op: str) -> None:
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
-        raise ValueError(f"{op}: chunks must be an int >= 0 (0 picks the count from the shapes), got {chunks!r}")
+def check_pieces(pieces, op: str) -> None:
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 0:
+        raise ValueError(f"{op}: pieces must be an int >= 0 (0 picks the count from the shapes), got {pieces!r}")
 
 
 def check_reduce_op(reduce_op, op: str) -> None:
@@ -73,7 +73,7 @@ def scattered_shape(a_shape, n: int, dim: int, world: int) -> list:
     return shape
 
 
-def rows(t: torch.Tensor) -> torch.Tensor:
+def as_matrix(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a matrix: leading dims flattened. The row count is computed, not inferred: ``reshape(-1, 0)``
     is ambiguous for a tensor with an empty last dim."""
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
@@ -88,8 +88,8 @@ def input_grad_operands(bs, grads) -> tuple[torch.Tensor, torch.Tensor]:
         return g, bs[i].t()
     chosen = [bs[i] for _, i in grads]
     # Concatenate in the layout the bs have (typically w.t() views of row-major weights: their transposes are
-    # contiguous). Besides saving a transposing copy, this keeps inductor away from materializing transposes
-    # into a cat, which its CPU code gets wrong for 16-bit dtypes (NaNs; torch 2.11 and 2.14).
+    # contiguous): no transposing copy, and no transposes materialized into a cat, which inductor's CPU code
+    # gets wrong for 16-bit dtypes (docs/design/fused-collectives.md).
     if all(b.t().is_contiguous() for b in chosen):
         b_t = torch.cat([b.t() for b in chosen], dim=0)
     else:

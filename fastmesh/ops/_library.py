@@ -29,17 +29,17 @@ _SIGNATURES = {
     "fp8_quantize": _QUANTIZE_ARGUMENTS + " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "fp8_quantize_native": _QUANTIZE_ARGUMENTS
     + " -> (Tensor data, Tensor scale, Tensor amax, Tensor? data_t, Tensor? scale_t)",
-    # Fused collectives (fastmesh/ops/fused_collectives.py). chunks: pipeline pieces of rows, 0 = the call's plan
+    # Fused collectives (fastmesh/ops/fused_collectives.py). pieces: pipeline pieces of rows, 0 = the call's plan
     # (fastmesh/ops/plans.py).
     "all_gather_matmul": "(Tensor a_shard, Tensor[] bs, int gather_dim, str group_name, bool return_a=False, "
-    "int chunks=0) -> (Tensor?, Tensor[])",
-    "matmul_reduce_scatter": "(Tensor a, Tensor b, int scatter_dim, str reduce_op, str group_name, int chunks=0) "
+    "int pieces=0) -> (Tensor?, Tensor[])",
+    "matmul_reduce_scatter": "(Tensor a, Tensor b, int scatter_dim, str reduce_op, str group_name, int pieces=0) "
     "-> Tensor",
     # Their FP8 forms (fastmesh/ops/fused_collectives_fp8.py): FP8 data with tensor-wise or row-wise scales.
     "all_gather_scaled_matmul": "(Tensor a_shard, Tensor a_scale, Tensor[] bs, Tensor[] b_scales, int gather_dim, "
-    "str group_name, ScalarType out_dtype, bool return_a=False, int chunks=0) -> (Tensor?, Tensor?, Tensor[])",
+    "str group_name, ScalarType out_dtype, bool return_a=False, int pieces=0) -> (Tensor?, Tensor?, Tensor[])",
     "scaled_matmul_reduce_scatter": "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, int scatter_dim, "
-    "str reduce_op, str group_name, ScalarType out_dtype, int chunks=0) -> Tensor",
+    "str reduce_op, str group_name, ScalarType out_dtype, int pieces=0) -> Tensor",
 }
 
 # Created by torch.library.triton_op in their op module, with the signature above.

@@ -23,13 +23,13 @@ float32, bfloat16 or float16; non-contiguous inputs are read through a contiguou
 import torch
 
 from fastmesh import _cpp_lib
-from fastmesh.ops._checks import check_float_input, check_granularity, scale_shape
+from fastmesh.ops._checks import FLOAT_INPUTS, check_granularity, check_tensor, scale_shape
 from fastmesh.ops._library import qualified_name
 
 
 @torch.library.register_fake(qualified_name("amax"))
 def _amax_fake(x: torch.Tensor, granularity: str = "tensorwise") -> torch.Tensor:
-    check_float_input(x, "fastmesh::amax", "x")
+    check_tensor(x, "fastmesh::amax", "x", FLOAT_INPUTS)
     check_granularity(granularity, x, "fastmesh::amax")
     return x.new_empty(scale_shape(x.shape, granularity), dtype=torch.float32)
 
@@ -54,7 +54,7 @@ def amax(x: torch.Tensor, granularity: str = "tensorwise") -> torch.Tensor:
         tensor([[3.],
                 [2.]])
     """
-    check_float_input(x, "fastmesh.amax", "x")
+    check_tensor(x, "fastmesh.amax", "x", FLOAT_INPUTS)
     check_granularity(granularity, x, "fastmesh.amax")
     _cpp_lib.require()
     return torch.ops.fastmesh.amax(x.detach(), granularity)

@@ -1,48 +1,25 @@
-"""The Triton path of ``fastmesh::all_gather_matmul``: the transfer flags each chunk as it lands, and the
-chunk-waiting consumer GEMM (``fastmesh/kernels/chunked_matmul.py``) multiplies the rows that have landed
-while the others are still in flight.
+"""The Triton path of ``fastmesh::all_gather_matmul`` on CUDA: the transfer flags each chunk as it lands, and the
+consumer GEMM (``fastmesh/kernels/chunked_matmul.py``) multiplies the rows that have landed while the others are
+in flight. A *chunk* is what one flag guards: rank ``j``'s part of pipeline piece ``i`` (chunk ``i*W + j``).
 
-The plain-PyTorch equivalent of :func:`all_gather_chunked_matmul` is the op's::
+Plain-PyTorch equivalent of :func:`all_gather_chunked_matmul`, the op's for ``gather_dim`` below the last dim (a
+gathered contraction dim stays with the pipelined kernel); shapes are the op's (``fused_collectives.py``)::
 
     a = torch.cat(all_gather(shard), dim=gather_dim)       # every rank's shard, in rank order
     result = (a if return_a else None, [a @ b for b in bs])
 
-for ``gather_dim`` below the last dim (the rows are gathered; a gathered contraction dim stays with the
-pipelined kernel). Shapes are the op's (``fastmesh/ops/fused_collectives.py``).
+Layout: the shard's rows are cut into the CPU kernel's pipeline pieces (``_C.gather_row_pieces``); piece ``i`` of
+every rank arrives as one ``[W, rows_i, K]`` block. This rank's own chunks are flagged before any transfer starts,
+so they are multiplied first. The consumer writes each arrival row's products where the gathered ``a`` has that
+row (its row map): no output is permuted afterwards.
 
-Layout
-------
-The shard's rows (leading dims flattened: ``[P*Q, K]`` with ``P`` the product of the dims before
-``gather_dim`` and ``Q`` of the rest but K) are cut into the pipeline pieces of
-``csrc/include/fastmesh/pipeline.h``, the CPU kernel's schedule (``_C.gather_row_pieces``). Piece ``i`` of
-every rank travels as one all-gather into a ``[W, rows_i, K]`` block; the arrival buffer holds those blocks
-back to back. Chunk ``i*W + j`` is rank ``j``'s part of piece ``i`` and has its own flag. This rank's own
-chunks are copied in and flagged before any transfer starts, so the consumer multiplies them first
-(arrival order: this rank's chunks, then piece 0's, piece 1's, ...), as the CPU kernel multiplies the local
-shard while the first pieces travel. In the gathered ``a``, row ``s = p*Q + q`` of rank ``j``'s shard is
-row ``(p*W + j)*Q + q``; the consumer writes each arrival row's products there (its row map), so no output
-is permuted afterwards. Only a returned ``a`` is copied into the gathered layout (``index_copy_``), unless
-the arrival order already is that layout (one piece and ``P == 1``).
+Transports: :class:`CollectiveTransport` (one c10d all-gather per piece, then the piece's flags, on a
+high-priority side stream; the consumer's grid leaves :func:`free_sms` SMs to it) and :class:`LoopbackTransport`
+(one process plays every rank, to test on one GPU). On CPU (gloo) every flag is set before the consumer starts.
 
-Transports
-----------
-* :class:`CollectiveTransport`: one c10d ``all_gather_into_tensor`` per piece, each followed by a fill of
-  the piece's flags. On CUDA it runs on a high-priority side stream: NCCL's kernel for a piece, then
-  (stream order) the flag fill. Both run on SMs, so the consumer's grid is capped to leave SMs free
-  (:func:`consumer_programs`): its spinning programs can never take every SM from the kernels that would
-  set their flags. On CPU (gloo) each piece is waited for on the host, so every flag is set before the
-  consumer starts: that is how the tests run this path, with the kernel under ``TRITON_INTERPRET=1``.
-* :class:`LoopbackTransport`: one process plays every rank (it holds all the shards) and copies the other
-  ranks' parts in on a side stream, optionally late (``torch.cuda._sleep``). It tests the waiting and the
-  layout on one GPU, where NCCL cannot run two ranks.
-
-Errors
-------
-A chunk whose flag never comes leaves its tiles unwritten after a bounded wait (``max_spins``), and sets the
-call's error word. Reading that word on the host costs a sync, so on CUDA the word is copied to pinned
-memory behind an event, and checked at the start of the next call of this path (once the copy has landed)
-or by :func:`raise_pending_timeouts` (``block=True`` waits for the copies). The outputs of the call that
-timed out are incomplete.
+Errors: a chunk whose flag never comes leaves its tiles unwritten after ``max_spins`` reads and sets the call's
+error word, raised as ``ChunkWaitTimeout`` at the next call of this path or by :func:`raise_pending_timeouts`.
+Design (layout, SMs, error words): ``docs/design/fused-collectives.md``.
 """
 
 from __future__ import annotations
@@ -59,12 +36,12 @@ import torch
 import torch.distributed as dist
 
 from fastmesh import _cpp_lib
+from fastmesh.ops._collectives import all_gather_into
 
 ENV_ENABLE = "FASTMESH_CUDA_CONSUMER_GEMM"
 ENV_FREE_SMS = "FASTMESH_CONSUMER_FREE_SMS"
-# SMs left free of consumer programs for the producer's kernels (NCCL's channels, the flag fills). Not
-# tuned on hardware: NCCL's all-gather typically runs one CTA per channel on up to 16-32 channels, but any
-# free SM guarantees progress; more free SMs make the transfer faster and the multiply slower.
+# SMs left free of consumer programs for the producer's kernels (NCCL's channels, the flag fills); not tuned on
+# hardware (docs/design/fused-collectives.md).
 DEFAULT_FREE_SMS = 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MAX = 2**31 - 1
@@ -114,7 +91,7 @@ class GatherLayout:
 
     pieces: tuple[tuple[int, int], ...]  # the shard's row ranges, one per pipeline piece
     chunk_starts: tuple[int, ...]  # arrival rows: piece-major, rank-minor
-    order: tuple[int, ...]  # this rank's chunks first, then the pieces in order
+    order: tuple[int, ...]  # this rank's chunks first, then the other chunks piece by piece
     row_map: torch.Tensor | None  # int64 [W * shard rows]: arrival row -> gathered row; None where the same
 
 
@@ -151,14 +128,14 @@ def _prepared(
     world: int,
     rank: int,
     element_size: int,
-    chunks: int,
+    pieces: int,
     config,
     device: torch.device,
 ):
     """(layout, the kernel's plan, the row map as an int64 index on the device or None), per call signature."""
     ext = _cpp_lib.load()
-    pieces = tuple(tuple(piece) for piece in ext.gather_row_pieces(list(shape), dim, element_size, chunks))
-    layout = gather_layout(shape, dim, world, rank, pieces)
+    row_ranges = tuple(tuple(piece) for piece in ext.gather_row_pieces(list(shape), dim, element_size, pieces))
+    layout = gather_layout(shape, dim, world, rank, row_ranges)
     plan = _kernels().chunk_plan(
         layout.chunk_starts,
         layout.order,
@@ -214,7 +191,7 @@ class CollectiveTransport:
         self._side = _SideStream(arrival[0].device)
         with self._side.enter():
             for piece, piece_flags in zip(arrival, flags):
-                work = dist.all_gather_into_tensor(
+                work = all_gather_into(
                     piece.view(-1, piece.shape[-1]), piece[self.rank], group=self.group, async_op=True
                 )
                 work.wait()  # CUDA: the side stream waits for the transfer; CPU: the host does
@@ -328,13 +305,13 @@ def all_gather_chunked_matmul(
     gather_dim: int,
     transport,
     return_a: bool,
-    chunks: int = 0,
+    pieces: int = 0,
     max_spins: int | None = None,
 ):
     """``(a if return_a else None, [a @ b for b in bs])`` with ``a`` the shards of ``transport``'s ranks
     concatenated along ``gather_dim`` (not the last), through the consumer GEMM (module docstring).
 
-    ``transport``: a :class:`CollectiveTransport` or :class:`LoopbackTransport`. ``chunks``: pipeline pieces
+    ``transport``: a :class:`CollectiveTransport` or :class:`LoopbackTransport`. ``pieces``: pipeline pieces
     per rank, 0 for the CPU kernel's choice. ``max_spins``: the consumer's bound on each wait (default
     :data:`~fastmesh.kernels.chunked_matmul.DEFAULT_MAX_SPINS`). The arguments are those of a valid op call
     for which :func:`unsupported_reason` is None; they are not checked again here.
@@ -345,7 +322,7 @@ def all_gather_chunked_matmul(
     world, rank, device = transport.world, transport.rank, shard.device
     config = cm.default_config(shard.dtype)
     layout, plan, index = _prepared(
-        tuple(shard.shape), gather_dim, world, rank, shard.element_size(), chunks, config, device
+        tuple(shard.shape), gather_dim, world, rank, shard.element_size(), pieces, config, device
     )
     k = shard.shape[-1]
     shard_rows = shard.view(-1, k)

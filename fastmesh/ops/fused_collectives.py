@@ -1,74 +1,30 @@
 """Fused all-gather + matmul and matmul + reduce-scatter: ``fastmesh::all_gather_matmul`` and
-``fastmesh::matmul_reduce_scatter``.
+``fastmesh::matmul_reduce_scatter``, the transfer of one piece overlapped with the multiply of another.
 
-In sequence-parallel TP a column-parallel linear starts with an all-gather of its input and a row-parallel
-linear ends with a reduce-scatter of its output. These ops cut the communicated tensor into pieces and
-overlap the transfer of one piece with the multiply of another (schedule: ``csrc/include/fastmesh/pipeline.h``),
-on every backend c10d has: gloo on CPU, NCCL on CUDA. The local shard is multiplied while the first
-pieces travel. On CUDA, ``all_gather_matmul``'s kernel can instead run one Triton GEMM that multiplies each
-tile as soon as its rows have landed (``fastmesh/ops/chunked_gather.py``; opt-in with
-``FASTMESH_CUDA_CONSUMER_GEMM=1``).
+Plain-PyTorch equivalents (``W`` the size of the group named by ``group_name``; ``d`` the gather / scatter dim)::
 
-Each call runs a plan, the same on every rank (``fastmesh/ops/plans.py``): pieces of rows, pieces of b's
-columns (reduce-scatter: b read once), or the unfused sequence inside the op where overlapping cannot pay
-(few rows and a large weight, latency-bound sizes). ``chunks > 0`` fixes pieces of rows; otherwise the plan
-comes from measured plans or the cost model (``FASTMESH_TUNE``). Each key's plan is logged once (INFO,
-logger ``fastmesh.plans``).
+    all_gather_matmul:      a = torch.cat(all_gather(a_shard), dim=d)              # shards in rank order
+                            result = (a if return_a else None), [a @ b for b in bs]
+    matmul_reduce_scatter:  result = reduce_scatter(a @ b, d, reduce_op)  # rank j: block j along d, summed
 
-Plain-PyTorch equivalents (``group`` the process group named by ``group_name``, ``W`` its size)::
+Shapes (``...`` any leading dims; ``S`` the size at dim ``d``; every rank passes the same shapes)::
 
-    # all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a)
-    a = torch.cat(all_gather(a_shard, group), dim=gather_dim)          # every rank's shard, in rank order
-    result = (a if return_a else None, [a @ b for b in bs])
+    op                     input                 weights             outputs
+    all_gather_matmul      a_shard [..S.., K]    bs[i] [K, N_i]      a [..W*S.., K], result[1][i] [..W*S.., N_i]
+      d the last dim       a_shard [..., K]      bs[i] [W*K, N_i]    a [..., W*K],   result[1][i] [..., N_i]
+    matmul_reduce_scatter  a [..S.., K], W | S   b [K, N]            [..S/W.., N]
+      d the last dim       a [..., K]            b [K, N], W | N     [..., N/W]
 
-    # matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name)
-    c = a @ b
-    blocks = c.chunk(W, dim=scatter_dim)                                # block j goes to rank j
-    result = sum over ranks of blocks[rank]  (divided by W for "avg")
-
-Shapes (``W`` the group size; ``...`` any leading dims; ``d`` = gather_dim / scatter_dim):
-
-=========================  ==================================  ======================================
-op / argument              shape                               note
-=========================  ==================================  ======================================
-all_gather_matmul
-  a_shard                  ``[..., S, ..., K]``                S at dim d; the same shape on every rank
-  bs[i]                    ``[K, N_i]``                        ``[W*K, N_i]`` when d is the last dim
-  a (return_a=True)        ``[..., W*S, ..., K]``              ``[..., W*K]`` when d is the last dim
-  result[1][i]             ``[..., W*S, ..., N_i]``            ``[..., N_i]`` when d is the last dim
-matmul_reduce_scatter
-  a                        ``[..., S, ..., K]``                S divisible by W
-  b                        ``[K, N]``
-  result                   ``[..., S/W, ..., N]``              ``[..., N/W]`` when d is the last dim
-=========================  ==================================  ======================================
-
-Gathering the last dim splits the contraction: ``a @ b = sum_j a_shard_j @ b[rows of rank j]``, summed in
-rank order on every rank, so the replicated result is bitwise identical across ranks (bf16/fp16: each
-partial product is rounded to the dtype by its matmul, the partials are summed in fp32 and rounded once).
-The reduce-scatter sums the same way on gloo; on NCCL the backend's reduce-scatter sums. Scattering the last
-dim gives rank ``j`` the columns ``j*N/W:(j+1)*N/W``.
-
-Autograd (each op's backward is the other op; ``G_i`` the gradient of output i)::
+Autograd: each op's backward is the other op (``G_i`` the gradient of output i)::
 
     all_gather_matmul:      grad a_shard = matmul_reduce_scatter(cat(G_i, -1), cat(bs, 1).T, d, "sum")
                             grad b_i     = a.flatten(0, -2).T @ G_i.flatten(0, -2)
     matmul_reduce_scatter:  grad_c, [grad a] = all_gather_matmul(G (/W for avg), [b.T], d, return_a=True)
                             grad b       = a.flatten(0, -2).T @ grad_c.flatten(0, -2)
 
-so a forward and its backward issue one gather and one reduce-scatter each, whatever the number of ``bs``.
-The backward of ``all_gather_matmul`` needs the gathered ``a`` for the gradients of ``bs``: the Python front
-asks the op for it when some ``b`` requires grad (and returns ``None`` if you did not ask for it); a
-direct ``torch.ops.fastmesh.all_gather_matmul(..., return_a=False)`` call gathers again in backward. When
-the gathered ``a`` returned by the op has a gradient of its own, the backward adds it before one plain
-reduce-scatter.
-
-Every rank must pass the same shapes, as for torch's own collectives. A mismatch is not an error gloo
-reports (it aborts the receiving process), so on CPU the first call of each op on each group checks it (one
-small all-gather), and with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` every call does, on CPU and CUDA; checking every
-call by default would put a barrier at the start of every op (measured: a 2-rank Llama block step ~25%
-slower). Arguments are checked before any transfer starts; as with any collective, a rank that fails or never
-calls leaves the others waiting until the group's timeout, and an op that fails part-way waits for the
-transfers it started before it raises (so that none is left in flight).
+Errors: TypeError (type, dtype) or ValueError (value, shape, device) naming the argument, raised before any
+transfer starts, in the wording of ``csrc/fused/checks.h``; ranks whose shapes differ fail a cross-rank check.
+How a call runs (pieces, plans, CUDA paths): ``docs/plans.md`` and ``docs/design/fused-collectives.md``.
 """
 
 from __future__ import annotations
@@ -80,12 +36,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastmesh import _cpp_lib
-from fastmesh.kernels.fused_reference import all_gather
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, chunked_gather, plans, traced_unfused
-from fastmesh.ops._checks import MATMUL_DTYPES, wrap_dim
+from fastmesh.ops._checks import MATMUL_DTYPES, check_tensor, wrap_dim
+from fastmesh.ops._collectives import all_gather
 from fastmesh.ops._fused_common import (
-    check_chunks,
+    as_matrix,
+    check_pieces,
     check_reduce_op,
     check_scattered_divisible,
     gathered_shape,
@@ -94,7 +51,6 @@ from fastmesh.ops._fused_common import (
     reduce_scatter_gathered_grad,
     resolve_group,
     resolve_pieces,
-    rows,
     scattered_shape,
 )
 from fastmesh.ops._library import library, qualified_name
@@ -110,18 +66,6 @@ _RS = "fastmesh::matmul_reduce_scatter"
 # ---- checks (the wording of csrc/fused/checks.h) ----
 
 
-def _check_operand(t, op: str, arg: str, min_dim: int, max_dim: int | None = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in MATMUL_DTYPES:
-        raise TypeError(f"{op}: {arg} must be float32, bfloat16, float16 or float64, got {t.dtype}")
-    if t.layout != torch.strided:
-        raise ValueError(f"{op}: {arg} must be a dense (strided) tensor, got {t.layout}")
-    if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
-        wanted = f"{min_dim}" if min_dim == max_dim else f"at least {min_dim}"
-        raise ValueError(f"{op}: {arg} must have {wanted} dim(s), got shape {list(t.shape)}")
-
-
 def _check_like(t: torch.Tensor, reference: torch.Tensor, op: str, arg: str, reference_arg: str) -> None:
     if t.dtype != reference.dtype:
         raise TypeError(f"{op}: {arg} must have {reference_arg}'s dtype {reference.dtype}, got {t.dtype}")
@@ -129,11 +73,11 @@ def _check_like(t: torch.Tensor, reference: torch.Tensor, op: str, arg: str, ref
         raise ValueError(f"{op}: {arg} must be on {reference_arg}'s device {reference.device}, got {t.device}")
 
 
-def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, chunks) -> int:
+def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, pieces) -> int:
     """Checks every argument; returns gather_dim made non-negative."""
-    _check_operand(a_shard, _AG, "a_shard", 1)
+    check_tensor(a_shard, _AG, "a_shard", MATMUL_DTYPES, min_dim=1)
     dim = wrap_dim(gather_dim, a_shard.dim(), _AG, "gather_dim", "a_shard")
-    check_chunks(chunks, _AG)
+    check_pieces(pieces, _AG)
     if isinstance(bs, torch.Tensor) or not isinstance(bs, (list, tuple)):
         raise TypeError(f"{_AG}: bs must be a list of matrices, got {type(bs).__name__}")
     if not bs:
@@ -141,7 +85,7 @@ def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, chunks) -> int
     contraction = dim == a_shard.dim() - 1
     k_full = a_shard.shape[-1] * world if contraction else a_shard.shape[-1]
     for i, b in enumerate(bs):
-        _check_operand(b, _AG, f"bs[{i}]", 2, 2)
+        check_tensor(b, _AG, f"bs[{i}]", MATMUL_DTYPES, min_dim=2, max_dim=2)
         _check_like(b, a_shard, _AG, f"bs[{i}]", "a_shard")
         if b.shape[0] != k_full:
             where = f"the gathered a: a_shard's last dim times the group size {world}" if contraction else "a_shard"
@@ -151,16 +95,16 @@ def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, chunks) -> int
     return dim
 
 
-def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, chunks) -> int:
+def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, pieces) -> int:
     """Checks every argument; returns scatter_dim made non-negative."""
-    _check_operand(a, _RS, "a", 1)
-    _check_operand(b, _RS, "b", 2, 2)
+    check_tensor(a, _RS, "a", MATMUL_DTYPES, min_dim=1)
+    check_tensor(b, _RS, "b", MATMUL_DTYPES, min_dim=2, max_dim=2)
     _check_like(b, a, _RS, "b", "a")
     if b.shape[0] != a.shape[-1]:
         raise ValueError(f"{_RS}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
     dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")
     check_reduce_op(reduce_op, _RS)
-    check_chunks(chunks, _RS)
+    check_pieces(pieces, _RS)
     check_scattered_divisible(a.shape, b.shape[1], dim, scatter_dim, world, _RS)
     return dim
 
@@ -169,20 +113,20 @@ def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, chunk
 
 
 @torch.library.register_fake(qualified_name("all_gather_matmul"))
-def _all_gather_matmul_fake(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0):
+def _all_gather_matmul_fake(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0):
     traced_unfused.register_once()  # being traced: inductor may trace an unfused plan as its collective
     world = group_size(group_name, _AG)
-    dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, chunks)
+    dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, pieces)
     full = gathered_shape(a_shard.shape, dim, world)
     outs = [a_shard.new_empty(full[:-1] + [b.shape[1]]) for b in bs]
     return (a_shard.new_empty(full) if return_a else None), outs
 
 
 @torch.library.register_fake(qualified_name("matmul_reduce_scatter"))
-def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, chunks=0):
+def _matmul_reduce_scatter_fake(a, b, scatter_dim, reduce_op, group_name, pieces=0):
     traced_unfused.register_once()
     world = group_size(group_name, _RS)
-    dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, chunks)
+    dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, pieces)
     return a.new_empty(scattered_shape(a.shape, b.shape[1], dim, world))
 
 
@@ -202,10 +146,10 @@ def scatter_plan_call(a, b, dim: int, group_name: str) -> plans.Call:
     return plans.scatter_call(_RS, resolve_group(group_name, _RS), group_name, a, b.shape[1], dim, a.dtype)
 
 
-def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0, *, cuda=False):
+def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0, *, cuda=False):
     group = resolve_group(group_name, _AG)
     world = group.size()
-    dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, chunks)
+    dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, pieces)
     ext = _cpp_lib.load()
     bs = list(bs)
 
@@ -227,20 +171,20 @@ def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=Fals
     # The consumer GEMM is opt-in (FASTMESH_CUDA_CONSUMER_GEMM=1) until measured plans choose it.
     forced, note = None, ""
     if reason is None and chunked_gather.enabled() and not measuring:
-        forced = plans.Decision(plans.Plan("consumer_gemm", chunks), f"{chunked_gather.ENV_ENABLE}=1")
+        forced = plans.Decision(plans.Plan("consumer_gemm", pieces), f"{chunked_gather.ENV_ENABLE}=1")
     elif cuda and not measuring:
         reason = reason or f"it is opt-in until measured on GPUs: {chunked_gather.ENV_ENABLE}=1"
         note = f"(not the Triton consumer GEMM: {reason})"
-    return run(plans.decide(call, chunks, run, forced, note).plan)
+    return run(plans.decide(call, pieces, run, forced, note).plan)
 
 
 _all_gather_matmul_cuda = functools.partial(_all_gather_matmul_kernel, cuda=True)
 
 
-def _matmul_reduce_scatter_kernel(a, b, scatter_dim, reduce_op, group_name, chunks=0):
+def _matmul_reduce_scatter_kernel(a, b, scatter_dim, reduce_op, group_name, pieces=0):
     group = resolve_group(group_name, _RS)
     world = group.size()
-    dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, chunks)
+    dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, pieces)
     ext = _cpp_lib.load()
 
     def run(plan: plans.Plan):
@@ -250,7 +194,7 @@ def _matmul_reduce_scatter_kernel(a, b, scatter_dim, reduce_op, group_name, chun
         return run(plans.FIXED)
     product = scattered_shape(a.shape, b.shape[1], dim, world)
     ext.check_same_shape_on_all_ranks(a.new_empty(()).expand(product), group_name, _RS, "a @ b")
-    return run(plans.decide(scatter_plan_call(a, b, dim, group_name), chunks, run).plan)
+    return run(plans.decide(scatter_plan_call(a, b, dim, group_name), pieces, run).plan)
 
 
 library.impl("all_gather_matmul", _all_gather_matmul_kernel, "CPU")
@@ -263,15 +207,15 @@ for _device in ("CPU", "CUDA"):
 
 
 def _all_gather_matmul_setup(ctx, inputs, output):
-    a_shard, bs, gather_dim, group_name, *defaulted = inputs  # return_a, chunks (see _input_grads)
-    chunks = defaulted[1] if len(defaulted) > 1 else 0
+    a_shard, bs, gather_dim, group_name, *defaulted = inputs  # return_a, pieces (see _input_grads)
+    pieces = defaulted[1] if len(defaulted) > 1 else 0
     a_full, _ = output
     # Unused outputs (typically the gathered a, returned only for this backward) get no gradient rather
     # than zeros: no dead reduce-scatter term.
     ctx.set_materialize_grads(False)
     ctx.gather_dim = gather_dim % a_shard.dim()
     ctx.group_name = group_name
-    ctx.chunks = chunks
+    ctx.pieces = pieces
     ctx.num_bs = len(bs)
     ctx.bs_need_grad = any(b.requires_grad for b in bs)
     # For the bs' gradients: the gathered a, or the shard to gather again in backward when the op was
@@ -291,7 +235,7 @@ def _all_gather_matmul_backward(ctx, grad_a_full, grad_outs):
     if ctx.bs_need_grad:
         a_full = a_saved if ctx.a_is_gathered else all_gather(a_saved.detach(), ctx.gather_dim, ctx.group_name)
         for g, i in grads:
-            grad_bs[i] = rows(a_full).t() @ rows(g)
+            grad_bs[i] = as_matrix(a_full).t() @ as_matrix(g)
     return _input_grads(ctx, grad_a_shard, grad_bs)
 
 
@@ -305,16 +249,16 @@ def _all_gather_matmul_input_grad(ctx, bs, grads, grad_a_full):
     if grad_a_full is not None:
         return reduce_scatter_gathered_grad(grad_a_full, bs, grads, ctx.gather_dim, ctx.group_name)
     grad_c, b_t = input_grad_operands(bs, grads)
-    return torch.ops.fastmesh.matmul_reduce_scatter(grad_c, b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.chunks)
+    return torch.ops.fastmesh.matmul_reduce_scatter(grad_c, b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.pieces)
 
 
 def _matmul_reduce_scatter_setup(ctx, inputs, output):
-    a, b, scatter_dim, reduce_op, group_name, *defaulted = inputs  # chunks (see _input_grads)
-    chunks = defaulted[0] if defaulted else 0
+    a, b, scatter_dim, reduce_op, group_name, *defaulted = inputs  # pieces (see _input_grads)
+    pieces = defaulted[0] if defaulted else 0
     ctx.scatter_dim = scatter_dim % a.dim()
     ctx.reduce_op = reduce_op
     ctx.group_name = group_name
-    ctx.chunks = chunks
+    ctx.pieces = pieces
     ctx.save_for_backward(a if b.requires_grad else None, b if a.requires_grad else None)
 
 
@@ -326,12 +270,12 @@ def _matmul_reduce_scatter_backward(ctx, grad_out):
     grad_a = grad_b = None
     if need_a:
         grad_c, (grad_a,) = torch.ops.fastmesh.all_gather_matmul(
-            grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.chunks
+            grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.pieces
         )
     elif need_b:
         grad_c = all_gather(grad_out.contiguous(), ctx.scatter_dim, ctx.group_name)
     if need_b:
-        grad_b = rows(a).t() @ rows(grad_c)
+        grad_b = as_matrix(a).t() @ as_matrix(grad_c)
     return _input_grads(ctx, grad_a, grad_b)
 
 
@@ -378,14 +322,11 @@ def all_gather_matmul(
         group: ``ProcessGroup``, 1-D ``DeviceMesh``, ``(mesh, axis_name)``, group name, or ``None`` for the
             default group.
         return_a: also return the gathered ``a``.
-        pieces: pipeline pieces of rows per rank (``None``: the call's plan, see the module docstring; 1: no
+        pieces: pipeline pieces of rows per rank (``None``: the call's plan, ``docs/plans.md``; 1: no
             overlap beyond the local shard's multiply).
-        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to run in FP8:
-            ``a_shard`` travels as FP8 plus scales and the multiplies are scaled matmuls into a's dtype
-            (``fastmesh/ops/fused_collectives_fp8.py`` has the recipe and its backward). Rows only
-            (``gather_dim`` not the last dim); the returned ``a`` is then the dequantized FP8 gather, whose
-            gradient passes straight through the quantization (added to the products' terms in the input
-            dtype, then one reduce-scatter).
+        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to run in FP8
+            (``fastmesh/ops/fused_collectives_fp8.py``). Rows only (``gather_dim`` not the last dim); the
+            returned ``a`` is then the dequantized FP8 gather, its gradient passed straight through.
         chunks: deprecated alias of ``pieces`` (warns).
 
     Returns:
@@ -452,9 +393,9 @@ def matmul_reduce_scatter(
             the columns.
         group: as for :func:`all_gather_matmul`.
         reduce_op: ``"sum"`` or ``"avg"``.
-        pieces: pipeline pieces of rows per rank (``None``: the call's plan, see the module docstring).
+        pieces: pipeline pieces of rows per rank (``None``: the call's plan, ``docs/plans.md``).
         fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to multiply in FP8
-            (scaled matmuls into a's dtype; the product is reduced in a's dtype).
+            (``fastmesh/ops/fused_collectives_fp8.py``; the product is reduced in a's dtype).
         chunks: deprecated alias of ``pieces`` (warns).
 
     Returns:

@@ -1,47 +1,27 @@
 """FP8 forms of the fused collectives: ``fastmesh::all_gather_scaled_matmul`` and
 ``fastmesh::scaled_matmul_reduce_scatter``, and the ``fp8=`` option of the Python fronts.
 
-The ops take FP8 data with dequantization scales (``x ~= data.float() * scale``) in the layouts
-``torch._scaled_mm`` takes: tensor-wise (0-d) or row-wise (``[..., 1]`` for a; ``[1, N]`` for b, one per
-column). The gathered operand travels as FP8 bytes plus its scales: half the bytes of bf16. Row-wise scales
-travel with their rows, so a row-wise-scaled activation can be all-gathered, which torch's and torchao's
-TP cannot do today. Plain-PyTorch equivalents (``deq(d, s) = d.float() * s``)::
+The ops take FP8 data with dequantization scales (``x ~= data.float() * scale``) in the layouts ``torch._scaled_mm``
+takes: tensor-wise (0-d) or row-wise. Plain-PyTorch equivalents (``deq(d, s) = d.float() * s``)::
 
     # all_gather_scaled_matmul(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a)
-    a = cat(all_gather(deq(a_shard, a_scale)), gather_dim)
-    outs = [(a @ deq(b, s)).to(out_dtype) for b, s in zip(bs, b_scales)]      # one _scaled_mm per block
+    a = cat(all_gather(deq(a_shard, a_scale)), gather_dim)                # rows only: gather_dim < last dim
+    outs = [(a @ deq(b, s)).to(out_dtype) for b, s in zip(bs, b_scales)]
     result = (gathered FP8 data, its row-wise scales) if return_a else (None, None), outs
-
     # scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype)
     result = reduce_scatter((deq(a, a_scale) @ deq(b, b_scale)).to(out_dtype), scatter_dim, reduce_op)
 
-Shapes are those of the high-precision ops (``fastmesh/ops/fused_collectives.py``), with:
+Shapes are those of ``fused_collectives.py``, with (``out_dtype``: float32, bfloat16 or float16)::
 
-=====================  ================================  =========================================
-argument               shape                             note
-=====================  ================================  =========================================
-a_shard / a            ``[..., K]`` FP8                  all_gather: rows only (gather_dim < last)
-a_scale                ``[]`` or ``[..., 1]`` float32    each rank's own tensor-wise scale is fine
-bs[i] / b              ``[K, N]`` FP8                    column-major (``w_fp8.t()``) for CUDA
-b_scales[i] / b_scale  ``[]`` or ``[1, N]`` float32
-gathered scale         ``[..., W*S, ..., 1]`` float32    row-wise even for tensor-wise shards
-outputs                high-precision shapes             dtype ``out_dtype``
-=====================  ================================  =========================================
+    a_shard / a   [..., K] FP8                    a_scale        [] or [..., 1] float32 (per rank for the gather)
+    bs[i] / b     [K, N] FP8 (CUDA: column-major)  b_scale(s[i])  [] or [1, N] float32
+    gathered a    [..W*S.., K] FP8                 its scale      [..W*S.., 1] float32, row-wise in any case
 
-The product of the reduce-scatter form travels and is reduced in ``out_dtype``.
-
-These ops consume quantized data, which carries no gradient. The differentiable FP8 path is the fronts'
-``fp8=Float8Config(...)`` option (current scaling, tensor-wise or row-wise): the forward quantizes the
-high-precision inputs with :func:`fastmesh.fp8.quantize` (each b per output column) and runs these ops;
-the backward is
-
-* dgrad (the gradient of the gathered / scattered operand): the other fused op, in FP8 when
-  ``backward_in_fp8`` (gradients quantized to ``grad_dtype``, the weights per row), else in the input dtype.
-  A reduce-scatter of the last dim (columns) is the exception: its dgrad gathers the contraction dim, which
-  the FP8 gather cannot take, so that dgrad runs in the input dtype;
-* wgrad: in the input dtype, from the FP8 activation saved by the forward (``a_full`` dequantized), as in
-  torchao's "gradient of the weight in high precision" row-wise recipe: a transposed FP8 copy of the
-  gathered activation would cost another quantize pass.
+Autograd: the ops take quantized data and have none. The fronts' ``fp8=Float8Config(...)`` (current scaling,
+tensor-wise or row-wise) quantizes the inputs (each b per output column) and calls these ops. Its backward runs
+the dgrad through the other fused op, in FP8 (``grad_dtype``) when ``backward_in_fp8``, else in the input dtype
+(always for a reduce-scatter of the last dim: its dgrad would gather the contraction dim), and the wgrad in the
+input dtype from the saved FP8 activation. Errors as for the high-precision ops. Design: ``docs/design/fp8.md``.
 """
 
 from __future__ import annotations
@@ -53,9 +33,10 @@ import torch
 
 from fastmesh import _cpp_lib
 from fastmesh.ops import plans
-from fastmesh.ops._checks import FP8_DTYPES, wrap_dim
+from fastmesh.ops._checks import FP8_DTYPES, check_tensor, wrap_dim
 from fastmesh.ops._fused_common import (
-    check_chunks,
+    as_matrix,
+    check_pieces,
     check_reduce_op,
     check_scattered_divisible,
     gathered_shape,
@@ -63,11 +44,10 @@ from fastmesh.ops._fused_common import (
     input_grad_operands,
     reduce_scatter_gathered_grad,
     resolve_group,
-    rows,
     scattered_shape,
 )
 from fastmesh.ops._library import library, qualified_name
-from fastmesh.ops.fp8 import quantize
+from fastmesh.ops.fp8_quantize import quantize
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config
@@ -82,23 +62,8 @@ _RS = "fastmesh::scaled_matmul_reduce_scatter"
 # ---- checks (the wording of csrc/fused/scaled.h and checks.h) ----
 
 
-def _check_fp8(t, op: str, arg: str, min_dim: int, max_dim: int | None = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FP8_DTYPES:
-        raise TypeError(f"{op}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2 data, got {t.dtype}")
-    if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
-        wanted = f"{min_dim}" if min_dim == max_dim else f"at least {min_dim}"
-        raise ValueError(f"{op}: {arg} must have {wanted} dim(s), got shape {list(t.shape)}")
-
-
 def _check_scale(scale, data, rowwise_shape, op: str, arg: str, data_arg: str) -> None:
-    if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(scale).__name__}")
-    if scale.dtype != torch.float32:
-        raise TypeError(f"{op}: {arg} must be float32, got {scale.dtype}")
-    if scale.device != data.device:
-        raise ValueError(f"{op}: {arg} must be on {data_arg}'s device {data.device}, got {scale.device}")
+    check_tensor(scale, op, arg, (torch.float32,), device=data.device, device_of=data_arg)
     if scale.dim() > 0 and list(scale.shape) != list(rowwise_shape):
         raise ValueError(
             f"{op}: {arg} must be tensor-wise (shape []) or row-wise (shape {list(rowwise_shape)}), "
@@ -111,8 +76,8 @@ def _check_out_dtype(out_dtype, op: str) -> None:
         raise TypeError(f"{op}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
 
 
-def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, chunks) -> int:
-    _check_fp8(a_shard, _AG, "a_shard", 2)
+def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, pieces) -> int:
+    check_tensor(a_shard, _AG, "a_shard", FP8_DTYPES, min_dim=2)
     dim = wrap_dim(gather_dim, a_shard.dim(), _AG, "gather_dim", "a_shard")
     if dim == a_shard.dim() - 1:
         raise ValueError(
@@ -121,15 +86,13 @@ def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dty
         )
     _check_scale(a_scale, a_shard, list(a_shard.shape[:-1]) + [1], _AG, "a_scale", "a_shard")
     _check_out_dtype(out_dtype, _AG)
-    check_chunks(chunks, _AG)
+    check_pieces(pieces, _AG)
     if not bs:
         raise ValueError(f"{_AG}: bs must hold at least one matrix, got an empty list")
     if len(b_scales) != len(bs):
         raise ValueError(f"{_AG}: b_scales must hold one scale per b ({len(bs)}), got {len(b_scales)}")
     for i, (b, s) in enumerate(zip(bs, b_scales)):
-        _check_fp8(b, _AG, f"bs[{i}]", 2, 2)
-        if b.device != a_shard.device:
-            raise ValueError(f"{_AG}: bs[{i}] must be on a_shard's device {a_shard.device}, got {b.device}")
+        check_tensor(b, _AG, f"bs[{i}]", FP8_DTYPES, min_dim=2, max_dim=2, device=a_shard.device, device_of="a_shard")
         if b.shape[0] != a_shard.shape[-1]:
             raise ValueError(
                 f"{_AG}: bs[{i}] must have {a_shard.shape[-1]} rows (the last dim of a_shard), "
@@ -139,11 +102,9 @@ def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dty
     return dim
 
 
-def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, chunks) -> int:
-    _check_fp8(a, _RS, "a", 1)
-    _check_fp8(b, _RS, "b", 2, 2)
-    if b.device != a.device:
-        raise ValueError(f"{_RS}: b must be on a's device {a.device}, got {b.device}")
+def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, pieces) -> int:
+    check_tensor(a, _RS, "a", FP8_DTYPES, min_dim=1)
+    check_tensor(b, _RS, "b", FP8_DTYPES, min_dim=2, max_dim=2, device=a.device, device_of="a")
     if b.shape[0] != a.shape[-1]:
         raise ValueError(f"{_RS}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
     _check_scale(a_scale, a, list(a.shape[:-1]) + [1], _RS, "a_scale", "a")
@@ -151,7 +112,7 @@ def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op,
     dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")
     check_reduce_op(reduce_op, _RS)
     _check_out_dtype(out_dtype, _RS)
-    check_chunks(chunks, _RS)
+    check_pieces(pieces, _RS)
     check_scattered_divisible(a.shape, b.shape[1], dim, scatter_dim, world, _RS)
     return dim
 
@@ -161,10 +122,10 @@ def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op,
 
 @torch.library.register_fake(qualified_name("all_gather_scaled_matmul"))
 def _all_gather_scaled_matmul_fake(
-    a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, chunks=0
+    a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, pieces=0
 ):
     world = group_size(group_name, _AG)
-    dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, chunks)
+    dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, pieces)
     full = gathered_shape(a_shard.shape, dim, world)
     outs = [a_shard.new_empty(full[:-1] + [b.shape[1]], dtype=out_dtype) for b in bs]
     if not return_a:
@@ -173,9 +134,9 @@ def _all_gather_scaled_matmul_fake(
 
 
 @torch.library.register_fake(qualified_name("scaled_matmul_reduce_scatter"))
-def _scaled_matmul_reduce_scatter_fake(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, chunks=0):
+def _scaled_matmul_reduce_scatter_fake(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, pieces=0):
     world = group_size(group_name, _RS)
-    dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, chunks)
+    dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, pieces)
     return a.new_empty(scattered_shape(a.shape, b.shape[1], dim, world), dtype=out_dtype)
 
 
@@ -218,10 +179,10 @@ def scaled_scatter_plan_call(a, a_scale, b, b_scale, dim: int, group_name: str, 
 
 
 def _all_gather_scaled_matmul_kernel(
-    a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, chunks=0
+    a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, pieces=0
 ):
     group = resolve_group(group_name, _AG)
-    dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, group.size(), chunks)
+    dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, group.size(), pieces)
     ext = _cpp_lib.load()
     bs, b_scales = list(bs), list(b_scales)
 
@@ -235,15 +196,15 @@ def _all_gather_scaled_matmul_kernel(
     ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")  # before the ranks agree on a plan
     ext.check_same_shape_on_all_ranks(a_scale, group_name, _AG, "a_scale")
     return run(
-        plans.decide(scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype), chunks, run).plan
+        plans.decide(scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype), pieces, run).plan
     )
 
 
 def _scaled_matmul_reduce_scatter_kernel(
-    a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, chunks=0
+    a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, pieces=0
 ):
     group = resolve_group(group_name, _RS)
-    dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, group.size(), chunks)
+    dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, group.size(), pieces)
     ext = _cpp_lib.load()
 
     def run(plan: plans.Plan):
@@ -256,7 +217,7 @@ def _scaled_matmul_reduce_scatter_kernel(
     product = scattered_shape(a.shape, b.shape[1], dim, group.size())  # checked before the ranks agree on a plan
     ext.check_same_shape_on_all_ranks(a.new_empty((), dtype=out_dtype).expand(product), group_name, _RS, "a @ b")
     call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, group_name, out_dtype)
-    return run(plans.decide(call, chunks, run).plan)
+    return run(plans.decide(call, pieces, run).plan)
 
 
 for _device in ("CPU", "CUDA"):
@@ -304,7 +265,7 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 class _Float8AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, config, group_name, gather_dim, chunks, return_a, a_shard, *bs):
+    def forward(ctx, config, group_name, gather_dim, pieces, return_a, a_shard, *bs):
         a_data, a_scale = _quantize_rows(a_shard, config.dtype, config)
         b_ops = [_quantize_columns(b, config.dtype, config) for b in bs]
         a_full, a_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
@@ -316,9 +277,9 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
             group_name,
             a_shard.dtype,
             True,
-            chunks,
+            pieces,
         )
-        ctx.config, ctx.group_name, ctx.gather_dim, ctx.chunks = config, group_name, gather_dim, chunks
+        ctx.config, ctx.group_name, ctx.gather_dim, ctx.pieces = config, group_name, gather_dim, pieces
         ctx.dtype = a_shard.dtype
         ctx.save_for_backward(a_full, a_full_scale, *bs)
         ctx.mark_non_differentiable(a_full, a_full_scale)
@@ -341,34 +302,34 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
                 g_data, g_scale = _quantize_rows(grad_c, ctx.config.grad_dtype, ctx.config)
                 bt_data, bt_scale = _quantize_columns(b_t, ctx.config.dtype, ctx.config)
                 grad_a = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-                    g_data, g_scale, bt_data, bt_scale, ctx.gather_dim, "sum", ctx.group_name, ctx.dtype, ctx.chunks
+                    g_data, g_scale, bt_data, bt_scale, ctx.gather_dim, "sum", ctx.group_name, ctx.dtype, ctx.pieces
                 )
             else:
                 grad_a = torch.ops.fastmesh.matmul_reduce_scatter(
-                    grad_c.contiguous(), b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.chunks
+                    grad_c.contiguous(), b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.pieces
                 )
         grad_bs = [None] * len(bs)
         if any(ctx.needs_input_grad[6:]):
-            a_hp = rows(_dequantize(a_full, a_full_scale, ctx.dtype))
+            a_hp = as_matrix(_dequantize(a_full, a_full_scale, ctx.dtype))
             for g, i in grads:
-                grad_bs[i] = a_hp.t() @ rows(g)
+                grad_bs[i] = a_hp.t() @ as_matrix(g)
         return (None, None, None, None, None, grad_a, *grad_bs)
 
 
 class _Float8MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, config, group_name, scatter_dim, reduce_op, chunks, a, b):
+    def forward(ctx, config, group_name, scatter_dim, reduce_op, pieces, a, b):
         a_data, a_scale = _quantize_rows(a, config.dtype, config)
         b_data, b_scale = _quantize_columns(b, config.dtype, config)
         out = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-            a_data, a_scale, b_data, b_scale, scatter_dim, reduce_op, group_name, a.dtype, chunks
+            a_data, a_scale, b_data, b_scale, scatter_dim, reduce_op, group_name, a.dtype, pieces
         )
-        ctx.config, ctx.group_name, ctx.scatter_dim, ctx.reduce_op, ctx.chunks = (
+        ctx.config, ctx.group_name, ctx.scatter_dim, ctx.reduce_op, ctx.pieces = (
             config,
             group_name,
             scatter_dim,
             reduce_op,
-            chunks,
+            pieces,
         )
         ctx.dtype = a.dtype
         # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which
@@ -388,17 +349,17 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
             g_data, g_scale = _quantize_rows(grad_out, ctx.config.grad_dtype, ctx.config)
             bt_data, bt_scale = _quantize_columns(b.t(), ctx.config.dtype, ctx.config)
             g_full, g_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
-                g_data, g_scale, [bt_data], [bt_scale], ctx.scatter_dim, ctx.group_name, ctx.dtype, need_b, ctx.chunks
+                g_data, g_scale, [bt_data], [bt_scale], ctx.scatter_dim, ctx.group_name, ctx.dtype, need_b, ctx.pieces
             )
             grad_a = outs[0] if need_a else None
             if need_b:
                 grad_c = _dequantize(g_full, g_full_scale, ctx.dtype)
         else:
             grad_c, (grad_a,) = torch.ops.fastmesh.all_gather_matmul(
-                grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.chunks
+                grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.pieces
             )
         if need_b:
-            grad_b = rows(a).t() @ rows(grad_c)
+            grad_b = as_matrix(a).t() @ as_matrix(grad_c)
         return None, None, None, None, None, (grad_a if need_a else None), grad_b
 
 
@@ -408,16 +369,16 @@ def all_gather_matmul_fp8(
     gather_dim: int,
     group_name: str,
     return_a: bool,
-    chunks: int,
+    pieces: int,
     config: Float8Config,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The fronts' ``fp8=`` path of all_gather_matmul (module docstring)."""
-    gathered, *outs = _Float8AllGatherMatmul.apply(config, group_name, gather_dim, chunks, return_a, a_shard, *bs)
+    gathered, *outs = _Float8AllGatherMatmul.apply(config, group_name, gather_dim, pieces, return_a, a_shard, *bs)
     return gathered, list(outs)
 
 
 def matmul_reduce_scatter_fp8(
-    a, b, scatter_dim: int, group_name: str, reduce_op: str, chunks: int, config: Float8Config
+    a, b, scatter_dim: int, group_name: str, reduce_op: str, pieces: int, config: Float8Config
 ) -> torch.Tensor:
     """The fronts' ``fp8=`` path of matmul_reduce_scatter (module docstring)."""
-    return _Float8MatmulReduceScatter.apply(config, group_name, scatter_dim, reduce_op, chunks, a, b)
+    return _Float8MatmulReduceScatter.apply(config, group_name, scatter_dim, reduce_op, pieces, a, b)

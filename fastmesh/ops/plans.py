@@ -6,7 +6,7 @@ unfused sequence inside the op: the whole transfer, then one multiply per ``b``,
 the Triton consumer GEMM. The op's kernel builds the :class:`Call` (its key: op, shapes, dtypes, dim, group
 size, backend, device, threads) and asks :func:`decide`, once per key and process:
 
-* ``chunks=N`` (N > 0) given by the caller wins: rows in N pieces;
+* ``pieces=N`` (N > 0) given by the caller wins: rows in N pieces;
 * ``FASTMESH_TUNE=off``: the fixed rule (rows, pieces from the size: ``pipeline.h``);
 * ``FASTMESH_TUNE=model`` (default): a measured plan from the cache file (:mod:`fastmesh.ops.plan_cache`) if
   every rank has one, else the cost model (:mod:`fastmesh.ops.plan_model`);
@@ -37,7 +37,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from fastmesh.ops import plan_model
+from fastmesh import _log
+from fastmesh.ops import _collectives, plan_model
 from fastmesh.ops.plan_cache import PlanCache, default_path
 
 logger = logging.getLogger("fastmesh.plans")
@@ -229,8 +230,8 @@ _lock = threading.Lock()
 _agreed: dict[str, Decision] = {}  # key -> the decision every rank took, for this process
 _last: dict[str, tuple[str, Decision]] = {}  # op -> (key, decision) of its latest planned call
 _cache: PlanCache | None = None
-_logged: set = set()  # (key, decision) pairs already logged
 _override: Plan | None = None
+_LOG_KEY = "plan"  # log-once keys: (_LOG_KEY, key, decision)
 
 
 def cache() -> PlanCache:
@@ -246,7 +247,7 @@ def forget() -> None:
     with _lock:
         _agreed.clear()
         _last.clear()
-        _logged.clear()
+    _log.forget(lambda said: isinstance(said, tuple) and said[0] == _LOG_KEY)
 
 
 def last_decision(op: str) -> tuple[str, Decision] | None:
@@ -272,8 +273,7 @@ def _capturing(device: torch.device) -> bool:
 
 def _all_reduce(values: list, op: str, call: Call) -> list:
     tensor = torch.tensor(values, dtype=torch.float64 if op == "max" else torch.int64, device=call.device)
-    out = torch.ops._c10d_functional.all_reduce(tensor, op, call.group_name)
-    return torch.ops._c10d_functional.wait_tensor(out).tolist()
+    return _collectives.all_reduce(tensor, op, call.group_name).tolist()
 
 
 def _model(call: Call) -> Decision:
@@ -338,7 +338,7 @@ def _encode(plan: Plan) -> list:
 
 def decide(
     call: Call,
-    chunks: int,
+    pieces: int,
     run: Callable[[Plan], object] | None = None,
     forced: Decision | None = None,
     note: str = "",
@@ -348,8 +348,8 @@ def decide(
     added to the log line."""
     if forced is not None:
         return _remember(call, forced, note)
-    if chunks > 0:
-        return _remember(call, Decision(Plan("rows", chunks), "pieces= given"), note)
+    if pieces > 0:
+        return _remember(call, Decision(Plan("rows", pieces), "pieces= given"), note)
     if _override is not None and _override in call.candidates:
         return _remember(call, Decision(_override, "override"), note)
     tune = mode()
@@ -396,10 +396,31 @@ def _remember(call: Call, decision: Decision, note: str = "") -> Decision:
     """Records ``decision`` as ``call.op``'s latest and logs it, once per key and decision."""
     key = call.key
     _last[call.op] = (key, decision)
-    if (key, decision) not in _logged:
-        _logged.add((key, decision))
-        logger.info("%s [%s]: plan %s%s", call.op, key, decision.describe(), f" {note}" if note else "")
+    _log.log_once(
+        logger,
+        logging.INFO,
+        (_LOG_KEY, key, decision),
+        "%s [%s]: plan %s%s",
+        call.op,
+        key,
+        decision.describe(),
+        f" {note}" if note else "",
+    )
     return decision
+
+
+def has_static_shape(*tensors) -> bool:
+    """Every size of every tensor is a plain int: a shape fixed at compile time (None is not a tensor)."""
+    return all(t is not None and all(isinstance(size, int) for size in t.shape) for t in tensors)
+
+
+def unfused_offline(call: Call) -> Decision | None:
+    """The offline decision (:func:`decide_offline`) when it is to run ``call`` unfused, else None. The compile
+    pass and inductor's decompositions ask this same question."""
+    if call.shape.world == 1:
+        return None
+    decision = decide_offline(call)
+    return decision if decision.plan == UNFUSED else None
 
 
 def decide_offline(call: Call) -> Decision:

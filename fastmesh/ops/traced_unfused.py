@@ -17,10 +17,9 @@ import logging
 import torch
 
 from fastmesh.ops import plans
-from fastmesh.ops._fused_common import group_size
+from fastmesh.ops._collectives import traced_all_gather, traced_reduce_scatter
 
 logger = logging.getLogger("fastmesh.plans")
-_c10d = torch.ops._c10d_functional
 _registered = None  # None: not tried yet
 
 
@@ -61,45 +60,31 @@ def register_once() -> bool:
     return True
 
 
-def _static(*tensors) -> bool:
-    return all(isinstance(size, int) for t in tensors for size in t.shape)
-
-
-def _unfused(call) -> bool:
-    return call.shape.world > 1 and plans.decide_offline(call).plan == plans.UNFUSED
-
-
-def _all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a=False, chunks=0):
+def _all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0):
     from fastmesh.ops.fused_collectives import gather_plan_call
 
     dim = gather_dim % a_shard.dim()
     if (
-        chunks
+        pieces
         or a_shard.numel() == 0
-        or not _static(a_shard, *bs)
-        or not _unfused(gather_plan_call(a_shard, bs, dim, group_name))
+        or not plans.has_static_shape(a_shard, *bs)
+        or plans.unfused_offline(gather_plan_call(a_shard, bs, dim, group_name)) is None
     ):
         return NotImplemented
-    world = group_size(group_name, "fastmesh::all_gather_matmul")
-    stacked = _c10d.wait_tensor(_c10d.all_gather_into_tensor(a_shard.contiguous(), world, group_name))
-    a = stacked if dim == 0 else torch.cat(stacked.chunk(world, 0), dim)  # c10d stacks the ranks along dim 0
+    a = traced_all_gather(a_shard, dim, group_name)
     return (a if return_a else None), [a @ b for b in bs]
 
 
-def _matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, chunks=0):
+def _matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, pieces=0):
     from fastmesh.ops.fused_collectives import scatter_plan_call
 
     dim = scatter_dim % a.dim()
     if (
-        chunks
+        pieces
         or a.numel() == 0
         or b.numel() == 0
-        or not _static(a, b)
-        or not _unfused(scatter_plan_call(a, b, dim, group_name))
+        or not plans.has_static_shape(a, b)
+        or plans.unfused_offline(scatter_plan_call(a, b, dim, group_name)) is None
     ):
         return NotImplemented
-    world = group_size(group_name, "fastmesh::matmul_reduce_scatter")
-    product = a @ b
-    stacked = product if dim == 0 else torch.cat(product.chunk(world, dim), 0)  # rank j's block at rows j
-    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(stacked.contiguous(), "sum", world, group_name))
-    return out / world if reduce_op == "avg" else out
+    return traced_reduce_scatter(a @ b, dim, group_name, reduce_op)

@@ -170,35 +170,35 @@ def native_block_plan() -> dict:
     }
 
 
-def fused_block_plan(fp8=None, chunks: int | None = None) -> dict:
+def fused_block_plan(fp8=None, pieces: int | None = None) -> dict:
     return {
         "attention_norm": SequenceParallel(),
-        "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), fp8=fp8, chunks=chunks),
-        "attention.wo": FusedRowwiseParallel(fp8=fp8, chunks=chunks),
+        "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), fp8=fp8, pieces=pieces),
+        "attention.wo": FusedRowwiseParallel(fp8=fp8, pieces=pieces),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": FusedColwiseParallel(linears=("w1", "w3"), fp8=fp8, chunks=chunks),
-        "feed_forward.w2": FusedRowwiseParallel(fp8=fp8, chunks=chunks),
+        "feed_forward": FusedColwiseParallel(linears=("w1", "w3"), fp8=fp8, pieces=pieces),
+        "feed_forward.w2": FusedRowwiseParallel(fp8=fp8, pieces=pieces),
     }
 
 
-def block_plan(plan: str, fp8=None, chunks: int | None = None) -> dict:
-    """``"native"`` or ``"fastmesh"`` (``fp8`` and ``chunks`` apply to fastmesh's plan)."""
+def block_plan(plan: str, fp8=None, pieces: int | None = None) -> dict:
+    """``"native"`` or ``"fastmesh"`` (``fp8`` and ``pieces`` apply to fastmesh's plan)."""
     if plan == "native":
         if fp8 is not None:
             raise ValueError("the native plan has no fp8 option here; use plan='fastmesh'")
         return native_block_plan()
     if plan == "fastmesh":
-        return fused_block_plan(fp8, chunks)
+        return fused_block_plan(fp8, pieces)
     raise ValueError(f"plan must be 'native' or 'fastmesh', got {plan!r}")
 
 
-def parallelize_llama(model: Llama, tp_mesh: DeviceMesh, plan: str, fp8=None, chunks: int | None = None) -> Llama:
+def parallelize_llama(model: Llama, tp_mesh: DeviceMesh, plan: str, fp8=None, pieces: int | None = None) -> Llama:
     """Apply one of the two TP plans to the whole model, in place. Logits come out as a vocab-sharded DTensor
     (use ``torch.distributed.tensor.parallel.loss_parallel`` for the loss)."""
     head = (
         ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
         if plan == "native"
-        else FusedColwiseParallel(use_local_output=False, fp8=fp8, chunks=chunks)
+        else FusedColwiseParallel(use_local_output=False, fp8=fp8, pieces=pieces)
     )
     parallelize_module(
         model,
@@ -210,5 +210,5 @@ def parallelize_llama(model: Llama, tp_mesh: DeviceMesh, plan: str, fp8=None, ch
         },
     )
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, block_plan(plan, fp8, chunks))
+        parallelize_module(layer, tp_mesh, block_plan(plan, fp8, pieces))
     return model

@@ -46,7 +46,7 @@ struct QuantizeCall {
 inline QuantizeCall check_quantize_args(const at::Tensor& x, at::ScalarType dtype, c10::string_view granularity,
                                         const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& amax,
                                         bool transpose, const char* op) {
-  check_float_input(x, op, "x");
+  check_tensor(x, op, "x", kFloatInputs);
   QuantizeCall call{parse_fp8_format(dtype), parse_granularity(granularity), {}, false};
   check_granularity_dims(x, call.granularity, granularity, op);
   TORCH_CHECK_VALUE(x.is_contiguous(), op, ": x must be contiguous, got strides ", x.strides());

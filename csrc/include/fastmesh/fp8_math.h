@@ -2,7 +2,7 @@
 // formula, by the plain-PyTorch reference in kernels/fp8_reference.py), so that the CPU build tests
 // exactly the code the GPU runs.
 //
-// Conventions (the op contract, see fastmesh/ops/fp8.py):
+// Conventions (the op contract, see fastmesh/ops/fp8_quantize.py):
 //   q     = quant_scale_from_amax(amax)      the multiplier applied to x, fp32
 //   data  = cast_to_fp8(x * q)               one fp32 multiply, then a saturating RNE cast
 //   scale = 1 / q                            the dequantization scale returned: x ~= data * scale

@@ -1,46 +1,26 @@
-"""``fastmesh::fp8_quantize``: FP8 cast-and-scale in one fused kernel.
+"""``fastmesh::fp8_quantize``: FP8 cast-and-scale in one pass; :func:`quantize` is ``fastmesh.fp8.quantize``.
 
-Per scaling group (see the granularity table), with ``fp8_max`` 448 (e4m3fn) or 57344 (e5m2)::
+Plain-PyTorch equivalent (tensorwise, current scaling; ``fp8_max`` 448 for e4m3fn, 57344 for e5m2). The other
+granularities do the same per scaling group; ``kernels/fp8_reference.py`` spells out every option, and the
+kernels equal it bit for bit (NaN bits aside: the kernels write NaN as ``0x7F``)::
 
-    amax  = max |x| over the group                        (fp32; NaN wins, 0 for an empty group)
-    q     = fp8_max / amax                                (fp32; 1 if amax == 0, FLT_MAX if it overflows,
-                                                           rounded down to 2^k with power_of_two)
-    data  = saturate(x.float() * q).to(dtype)             (round to nearest even, clamped to +-fp8_max)
-    scale = 1 / q                                         (so x ~= data.float() * scale, broadcast)
-
-Plain-PyTorch equivalent (tensorwise, current scaling)::
-
-    amax = x.abs().amax().float()
+    amax = x.abs().amax().float()                                         # NaN wins; 0 for an empty x
     q = torch.where(amax == 0, 1.0, fp8_max / amax).clamp(max=torch.finfo(torch.float32).max)
-    data = (x.float() * q).clamp(-fp8_max, fp8_max).to(dtype)
-    scale = q.reciprocal()
+    data = (x.float() * q).clamp(-fp8_max, fp8_max).to(dtype)             # saturates, e5m2 too
+    scale = q.reciprocal()                                                # x ~= data.float() * scale
 
-``kernels/fp8_reference.py`` holds the full equivalent for every option; the kernels equal it bit for bit
-(NaN bits aside: the kernels write NaN as ``0x7F``).
+Shapes (x as ``[M, K]``, leading dims flattened; scale and amax in the layout ``torch._scaled_mm`` takes)::
 
-Shapes (x viewed as ``[M, K]``, leading dims flattened; scale and amax share a layout, the one
-``torch._scaled_mm`` takes for that operand):
+    granularity    scale / amax                  data_t (transpose=True)   scale_t
+    tensorwise     []                            [K, M]                    []
+    rowwise        [..., 1]                      [K, M]                    [K, 1]  (per column of x)
+    block1x128     [..., ceil(K/128)]            [K, M]                    [K, ceil(M/128)]
+    block128x128   [ceil(M/128), ceil(K/128)]    [K, M]                    [ceil(K/128), ceil(M/128)]
 
-==============  ===========================  ==========================  ================================
-granularity     scale / amax                 data_t (transpose=True)     scale_t
-==============  ===========================  ==========================  ================================
-tensorwise      ``[]``                       ``[K, M]``                  ``[]``
-rowwise         ``[..., 1]``                 ``[K, M]``                  ``[K, 1]`` (per column of x)
-block1x128      ``[..., ceil(K/128)]``       ``[K, M]``                  ``[K, ceil(M/128)]``
-block128x128    ``[ceil(M/128), ceil(K/128)]`` ``[K, M]``                ``[ceil(K/128), ceil(M/128)]``
-==============  ===========================  ==========================  ================================
-
-``data`` has x's shape. ``data_t``/``scale_t`` are the same quantization applied to ``x2d.t()``: the
-column-wise operand of the backward, written in the same pass. (The op returns them as empty tensors
-when ``transpose=False``; :func:`quantize` returns ``None`` instead.)
-
-Special values: infinities saturate to +-fp8_max when the scale is given; under current scaling an
-infinity makes its group's scale infinite (the group dequantizes to non-finite values). NaN stays NaN.
-e5m2 also saturates, unlike ``x.to(torch.float8_e5m2)``, which turns overflow into inf.
-
-Implementations: C++ on CPU; on CUDA, Triton (default) or CUDA C++, chosen by
-``FASTMESH_FP8_CUDA_IMPL=triton|cuda``. The op is a ``torch.library.triton_op``, so a compiled graph
-on CUDA contains the Triton kernels themselves.
+``data`` has x's shape; ``data_t``/``scale_t`` quantize ``x2d.t()`` in the same pass (the op returns empty
+tensors without ``transpose``, :func:`quantize` returns ``None``). Not differentiable. Errors: TypeError for a
+wrong type or dtype, ValueError for a wrong granularity, shape, device or mix of options. CPU runs C++; CUDA runs
+Triton or CUDA C++ (``FASTMESH_FP8_CUDA_IMPL=triton|cuda``). Special values and design: ``docs/design/fp8.md``.
 """
 
 from __future__ import annotations
@@ -53,12 +33,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from fastmesh import _cpp_lib
+from fastmesh._log import log_once
 from fastmesh.mesh import group_name
+from fastmesh.ops import _collectives
 from fastmesh.ops._checks import (
-    check_float_input,
+    FLOAT_INPUTS,
     check_fp8_dtype,
     check_granularity,
     check_per_group_tensor,
+    check_tensor,
     scale_shape,
 )
 from fastmesh.ops._library import qualified_name, signature
@@ -93,7 +76,7 @@ def check_quantize_args(
     power_of_two: bool,
     op: str = _OP,
 ) -> None:
-    check_float_input(x, op, "x")
+    check_tensor(x, op, "x", FLOAT_INPUTS)
     check_fp8_dtype(dtype, op)
     check_granularity(granularity, x, op)
     if scale is not None and amax is not None:
@@ -121,13 +104,8 @@ def cuda_implementation() -> str:
     return choice
 
 
-_logged_paths: set[str] = set()
-
-
 def _log_path_once(path: str) -> None:
-    if path not in _logged_paths:
-        _logged_paths.add(path)
-        logger.info("fastmesh.fp8 quantize runs the %s implementation", path)
+    log_once(logger, logging.INFO, ("fp8_quantize", path), "fastmesh.fp8 quantize runs the %s implementation", path)
 
 
 def _fp8_quantize_body(
@@ -158,8 +136,8 @@ def _fp8_quantize_body(
     return data, scale_out, amax_out, data_t, scale_t
 
 
-# torch 2.14 takes the schema from the one home; torch 2.11 ignores it and infers the schema from the
-# annotations of the body (a test checks that the registered schema is the one home's).
+# torch 2.11 ignores schema= and infers the schema from the body's annotations (hence Optional above); a test
+# checks that the registered schema is the one in _library.
 fp8_quantize_op = torch.library.triton_op(
     qualified_name("fp8_quantize"), _fp8_quantize_body, mutates_args=(), schema=signature("fp8_quantize")
 )
@@ -204,8 +182,7 @@ def fp8_quantize(
 def _all_reduce_amax(local_amax: torch.Tensor, group_name: str) -> torch.Tensor:
     """Max over the group, NaN-safe: the int32 view of a magnitude's bits orders like the value, NaN
     above inf, so an integer max propagates NaN, which a float max may drop."""
-    reduced = torch.ops._c10d_functional.all_reduce(local_amax.view(torch.int32), "max", group_name)
-    return torch.ops._c10d_functional.wait_tensor(reduced).view(torch.float32)
+    return _collectives.all_reduce(local_amax.view(torch.int32), "max", group_name).view(torch.float32)
 
 
 def quantize(
@@ -222,7 +199,7 @@ def quantize(
 
     Args:
         x: float32, bfloat16 or float16 tensor on CPU or CUDA, any shape (see the granularity table in
-            :mod:`fastmesh.ops.fp8`). Non-contiguous inputs are copied to contiguous first.
+            :mod:`fastmesh.ops.fp8_quantize`). Non-contiguous inputs are copied to contiguous first.
 
     Keyword Args:
         dtype: ``torch.float8_e4m3fn`` (saturates at +-448) or ``torch.float8_e5m2`` (saturates at
