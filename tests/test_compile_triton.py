@@ -176,7 +176,7 @@ def autograd_grad_in_python():
 
 
 def test_grad_in_python_matches_the_engine():
-    # A Llama block's pieces (attention with RoPE and SDPA, SwiGLU, RMSNorm) and a custom Function with
+    # A Llama block's parts (attention with RoPE and SDPA, SwiGLU, RMSNorm) and a custom Function with
     # non-tensor arguments on both sides of its tensors, an unused output, a gradient returned for a tensor
     # that needs none, one in another dtype and one of a broadcast shape (the engine casts and sums them), and
     # inputs used twice (gradients summed), a non-leaf input among them.

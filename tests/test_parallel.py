@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import logging
@@ -19,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from comm_counts import c10d_calls, p2p_pieces
+from log_capture import captured_log
 from rank_pool import on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -217,17 +218,24 @@ def test_bias_gradients_reach_every_rank():
         )
 
 
-@contextlib.contextmanager
-def _captured_log(name: str):
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger(name)
-    logger.addHandler(handler)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
+@on_ranks(2)
+def test_chunks_is_a_deprecated_alias_of_pieces(world_size):
+    """``chunks=2`` warns, pointing at the code that built the style, and builds what ``pieces=2`` builds: each
+    fused forward moves its operand in two pieces per rank. Both keywords at once is a TypeError."""
+    mesh = _tp_mesh()
+    for style in (FusedColwiseParallel, FusedRowwiseParallel):
+        with pytest.warns(FutureWarning, match="chunks= is deprecated, use pieces=") as caught:
+            deprecated = style(chunks=2)
+        assert [w.filename for w in caught] == [__file__], [(w.filename, w.lineno) for w in caught]
+        assert repr(deprecated) == repr(style(pieces=2)), repr(deprecated)
+        _raises(TypeError, "pass pieces= only", lambda: style(pieces=2, chunks=2))
+
+        in_features, out_features = (8, 4 * world_size) if style is FusedColwiseParallel else (4 * world_size, 8)
+        linear = parallelize_module(nn.Linear(in_features, out_features), mesh, deprecated)
+        x = torch.randn(2, 4, in_features // (1 if style is FusedColwiseParallel else world_size))
+        linear(x)  # an op's first call on a group also checks shapes (one small all-gather): not counted
+        counts = c10d_calls(lambda: linear(x))
+        assert counts == p2p_pieces(world_size, 2), (style.__name__, counts)
 
 
 class _QK(nn.Module):
@@ -263,10 +271,10 @@ def test_sibling_linears_share_one_gather_and_other_uses_stay_correct():
         xs, other_s = _shard(x, 1).requires_grad_(), _shard(other, 1).requires_grad_()
         mode = CommDebugMode()
         mode.comm_registry.add(torch.ops.fastmesh.all_gather_matmul)
-        with _captured_log("fastmesh.parallel") as records, mode:
+        with captured_log("fastmesh.parallel", logging.WARNING) as messages, mode:
             q, k, s = qk(xs, other_s if use_other else None)
         counts = mode.get_comm_counts()
-        messages = " ".join(r.getMessage() for r in records)
+        messages = " ".join(messages)
         # One gather for both linears, or a second one for wk's own input.
         assert counts[torch.ops.fastmesh.all_gather_matmul] == (2 if use_other else 1), counts
         assert ("wk was called with an input other than the gathered input" in messages) == use_other, messages

@@ -17,12 +17,14 @@ native pattern (post-grad FX, functional collectives)       becomes
 ``mm(x, b)`` or a sum of ``mm(x_j, b_j)`` [reshape]           ``fastmesh::matmul_reduce_scatter(x, b, d,
 [split/cat from dim d] -> ``wait(reduce_scatter(., op))``    op, group)``; a sum becomes one matmul of
                                                             ``cat(x_j, -1)`` by ``cat(b_j, 0)``
+either, with ``_scaled_mm`` of FP8 data                     ``all_gather_scaled_matmul`` /
+                                                            ``scaled_matmul_reduce_scatter``
 ==========================================================  ==========================================
 
-It runs on any backend the fastmesh ops run on (gloo on CPU, NCCL on CUDA) and needs no symmetric memory.
-Everything else (other collectives, FP8 ``_scaled_mm`` patterns, a gather whose tensor goes through another
-op before the matmul) is left as it is, logged at WARNING on the ``fastmesh.compile`` logger and listed in
-:func:`fusion_report` with the reason; ``strict=True`` turns those into a :class:`FusionError`.
+The fused graph computes what the native one computes, up to summation order. Any other collective, and one
+whose fused plan would not pay, is left as it is, logged on the ``fastmesh.compile`` logger and listed in
+:func:`fusion_report` with the reason; ``strict=True`` makes those that cannot be fused a :class:`FusionError`.
+How the pass works and why: ``docs/design/compile.md``.
 """
 
 from fastmesh.compile.fusion import (

@@ -3,8 +3,9 @@
 :func:`enable_fusion` installs :class:`FusionPass` as ``torch._inductor.config.post_grad_custom_post_pass``.
 Inductor calls it once for every graph it compiles (the forward and the backward of each compiled region).
 For every ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` in the graph it either rewrites the
-pattern into ``fastmesh::all_gather_matmul`` / ``fastmesh::matmul_reduce_scatter`` and logs it (INFO on the
-``fastmesh.compile`` logger), or leaves it and logs why (WARNING). Both end up in :func:`fusion_report`.
+pattern into a fastmesh fused op (``all_gather_matmul`` / ``matmul_reduce_scatter`` or their FP8 forms) and
+logs it (INFO on the ``fastmesh.compile`` logger), or leaves it and logs why (WARNING; INFO when it would not
+pay). Both end up in :func:`fusion_report`.
 With ``strict=True`` a collective it leaves fails the compile with a :class:`FusionError` naming it.
 
 Precedence with torch's own async TP (``torch._inductor.config._micro_pipeline_tp = True``): inductor runs
@@ -15,11 +16,13 @@ memory enabled) and fastmesh fuses what torch left. The report lists torch's fus
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -148,7 +151,7 @@ def _graph_kind(graph: Graph) -> str:
     return "forward" if any(name.startswith("primals") for name in names) else "inference"
 
 
-def _torch_fused(node: Node) -> str | None:
+def _torch_fused_op_name(node: Node) -> str | None:
     name = str(node.target) if node.op == "call_function" else ""
     return f"torch.{name.split('.default')[0]}" if name.startswith(_TORCH_FUSED_PREFIX) else None
 
@@ -166,9 +169,20 @@ def _scatter_detail(match: patterns.ScatterMatch) -> str:
     return f"scatter_dim={match.scatter_dim}, reduce_op={match.reduce_op}, group={match.group_name}"
 
 
-# collective name, its node target, matcher, rewriter, the match's matmuls, detail
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """How the pass treats one kind of collective."""
+
+    collective: str  # its name in the report
+    target: object  # its node target
+    match: Callable  # node -> a match or an Unfusable (fastmesh.compile.patterns)
+    fuse: Callable  # (graph, match) -> the fused node or an Unfusable (fastmesh.compile.rewrite)
+    matmuls: Callable  # match -> how many matmuls the fused op takes in
+    detail: Callable  # match -> the fused call's arguments, for the report
+
+
 _RULES = (
-    (
+    _Rule(
         "all_gather",
         patterns.ALL_GATHER,
         patterns.match_all_gather,
@@ -176,7 +190,7 @@ _RULES = (
         lambda m: len(m.consumers),
         _gather_detail,
     ),
-    (
+    _Rule(
         "reduce_scatter",
         patterns.REDUCE_SCATTER,
         patterns.match_reduce_scatter,
@@ -191,76 +205,64 @@ def _op_name(node: Node) -> str:
     return str(node.target).removesuffix(".default")
 
 
+def _torch_fused_entries(graph: Graph, index: int, kind: str) -> list[FusionEntry]:
+    """The collectives torch's ``_micro_pipeline_tp`` (which runs first) already fused."""
+    entries = []
+    for node in graph.nodes:
+        torch_op = _torch_fused_op_name(node)
+        if torch_op is not None:
+            collective = "all_gather" if "all_gather" in torch_op else "reduce_scatter"
+            detail = "fused by torch's _micro_pipeline_tp, which runs first"
+            entries.append(FusionEntry(index, kind, collective, node.name, torch_op, 1, detail))
+    return entries
+
+
+def _fuse_collectives(graph: Graph, rule: _Rule, index: int, kind: str) -> list[FusionEntry]:
+    """Fuse every collective of ``rule``'s kind that matches and pays; an entry for each, in graph order."""
+    entry = functools.partial(FusionEntry, index, kind, rule.collective)
+    # Match everything first: an FP8 gather carries its scales' gather, which must not be reported as left.
+    found = [(node.name, rule.match(node)) for node in graph.nodes if node.target == rule.target]
+    outcomes: dict[str, FusionEntry] = {}
+    carried: dict[str, str] = {}  # a row-wise scales' gather -> the gather whose fused op carries it
+    for name, match in found:
+        if isinstance(match, patterns.Unfusable):
+            continue
+        scale_gather = getattr(match, "scale_gather", None)
+        reason = profit.unprofitable(match)
+        if reason is not None:
+            outcomes[name] = entry(name, None, 0, reason, unprofitable=True)
+            if scale_gather is not None:
+                scales = scale_gather.collective.name
+                left = f"the row-wise scales of {name}, left with it"
+                outcomes[scales] = entry(scales, None, 0, left, unprofitable=True)
+            continue
+        fused = rule.fuse(graph, match)
+        if isinstance(fused, patterns.Unfusable):
+            outcomes[name] = entry(name, None, 0, fused.reason)
+            continue
+        outcomes[name] = entry(name, _op_name(fused), rule.matmuls(match), f"{fused.name}: {rule.detail(match)}")
+        if scale_gather is not None:
+            carried[scale_gather.collective.name] = name
+    for name, match in found:
+        if name in outcomes and outcomes[name].unprofitable:
+            continue
+        if name in carried:
+            data = carried[name]
+            detail = f"the row-wise scales of {data}, carried by its fused op"
+            outcomes[name] = entry(name, outcomes[data].fused_into, 0, detail)
+        elif name not in outcomes:
+            outcomes[name] = entry(name, None, 0, match.reason)
+    return [outcomes[name] for name, _ in found]
+
+
 def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
     """Run the fusion on one post-grad graph, in place; returns this graph's part of the report (also added
     to :func:`fusion_report`'s). Raises :class:`FusionError` if ``strict`` and a collective is left."""
     kind = _graph_kind(graph)
     index = _recorder.new_graph(kind)
-    entries = []
-    for node in graph.nodes:
-        torch_op = _torch_fused(node)
-        if torch_op is not None:
-            collective = "all_gather" if "all_gather" in torch_op else "reduce_scatter"
-            entries.append(
-                FusionEntry(
-                    index,
-                    kind,
-                    collective,
-                    node.name,
-                    torch_op,
-                    1,
-                    "fused by torch's _micro_pipeline_tp, which runs first",
-                )
-            )
-    for collective, target, match_fn, fuse_fn, matmuls, detail in _RULES:
-        # Match everything first: an FP8 gather carries its scales' gather, which must not be reported as left.
-        found = [(node.name, match_fn(node)) for node in graph.nodes if node.target == target]
-        outcomes, carried = {}, {}
-        for name, match in found:
-            if isinstance(match, patterns.Unfusable):
-                continue
-            reason = profit.unprofitable(match)
-            if reason is not None:
-                outcomes[name] = FusionEntry(index, kind, collective, name, None, 0, reason, unprofitable=True)
-                scale_gather = getattr(match, "scale_gather", None)
-                if scale_gather is not None:  # the row-wise scales stay with their data's gather
-                    outcomes[scale_gather.collective.name] = FusionEntry(
-                        index,
-                        kind,
-                        collective,
-                        scale_gather.collective.name,
-                        None,
-                        0,
-                        f"the row-wise scales of {name}, left with it",
-                        unprofitable=True,
-                    )
-                continue
-            fused = fuse_fn(graph, match)
-            if isinstance(fused, patterns.Unfusable):
-                outcomes[name] = FusionEntry(index, kind, collective, name, None, 0, fused.reason)
-                continue
-            outcomes[name] = FusionEntry(
-                index, kind, collective, name, _op_name(fused), matmuls(match), f"{fused.name}: {detail(match)}"
-            )
-            scale_gather = getattr(match, "scale_gather", None)
-            if scale_gather is not None:
-                carried[scale_gather.collective.name] = name
-        for name, match in found:
-            if name in outcomes and outcomes[name].unprofitable:
-                continue
-            if name in carried:
-                outcomes[name] = FusionEntry(
-                    index,
-                    kind,
-                    collective,
-                    name,
-                    outcomes[carried[name]].fused_into,
-                    0,
-                    f"the row-wise scales of {carried[name]}, carried by its fused op",
-                )
-            elif name not in outcomes:
-                outcomes[name] = FusionEntry(index, kind, collective, name, None, 0, match.reason)
-        entries += [outcomes[name] for name, _ in found]
+    entries = _torch_fused_entries(graph, index, kind)
+    for rule in _RULES:
+        entries += _fuse_collectives(graph, rule, index, kind)
     stable_topological_sort(graph)
     graph.lint()
     _recorder.add(entries)

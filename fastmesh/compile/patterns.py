@@ -14,6 +14,7 @@ and Partial -> Shard(d) of a row-parallel product as::
     c = cat([split(p, p.size(d) // W, d)[0], ..., [W-1]])             # (absent when d == 0)
     out = wait_tensor(reduce_scatter_tensor(c, "sum" | "avg", W, group))
 
+The FP8 forms have ``_scaled_mm`` in place of ``mm`` (gloo gathers FP8 as uint8 bytes, viewed back as FP8).
 :func:`match_all_gather` and :func:`match_reduce_scatter` return a description of what to rewrite, or an
 :class:`Unfusable` with the reason a user can act on. Nothing here edits the graph.
 """
@@ -107,22 +108,23 @@ class ScatterMatch:
     scaled: dict | None = None  # FP8: the one term's _scaled_mm arguments by name
 
 
-def _val(node) -> torch.Tensor | None:
+def fake_value(node) -> torch.Tensor | None:
+    """The fake tensor a graph node stands for (its ``meta["val"]``), None for a non-tensor."""
     value = node.meta.get("val") if isinstance(node, Node) else None
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _same(a, b) -> bool:
+def _provably_equal(a, b) -> bool:
     """Equal sizes, possibly symbolic, without adding guards."""
     return statically_known_true(a == b)
 
 
-def _value_of(arg):
+def size_value(arg):
     """An int, or the SymInt a size node stands for."""
     return arg.meta.get("val") if isinstance(arg, Node) else arg
 
 
-def _describe(nodes) -> str:
+def _describe_nodes(nodes) -> str:
     return ", ".join(f"{n.name} ({n.target if n.op == 'call_function' else n.op})" for n in nodes) or "none"
 
 
@@ -139,6 +141,13 @@ def _ancestors(node: Node) -> set[Node]:
 
 def _scaled_mm_args(node: Node) -> dict:
     return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+
+
+def _scaled_mm_extras(node: Node, scaled: dict) -> Unfusable | None:
+    """Why a ``_scaled_mm`` (its arguments by name in ``scaled``) cannot be fused: a bias or scale_result."""
+    if scaled["bias"] is not None or scaled["scale_result"] is not None:
+        return Unfusable(f"_scaled_mm {node.name} has a bias or scale_result, which the fused op has not")
+    return None
 
 
 def _same_on_every_rank(node: Node) -> bool:
@@ -179,11 +188,11 @@ def _gathered_tensor(collective: Node):
     if view is not None:
         layout.append(view)
         stacked = view
-    found = _stacked_ranks_layout(stacked, collective.args[1])
+    blocks = _blocks_moved_from_dim0(stacked, collective.args[1])
     gathered, gather_dim = stacked, 0
-    if found is not None:
-        gathered, gather_dim, nodes = found
-        layout += nodes
+    if blocks is not None:
+        gathered, gather_dim = blocks.cat, blocks.cat_dim
+        layout += blocks.nodes
     view = _fp8_view(gathered)
     if view is not None:
         layout.append(view)
@@ -210,43 +219,72 @@ def _scale_gather(scale: Node, shard: Node, gather_dim: int) -> ScaleGather | Un
         )
     wait, gathered, _, layout = found
     scale_shard = collective.args[0]
-    want = tuple(_val(shard).shape[:-1]) + (1,)
-    if _val(scale_shard) is None or tuple(_val(scale_shard).shape) != want:
+    want = tuple(fake_value(shard).shape[:-1]) + (1,)
+    if fake_value(scale_shard) is None or tuple(fake_value(scale_shard).shape) != want:
         return Unfusable(f"the gathered row-wise scale's shard is not [..., 1] of the data shard's rows {list(want)}")
     return ScaleGather(scale_shard, gathered, tuple(chain), (*reversed(layout), wait, collective))
 
 
-def _stacked_ranks_layout(stacked: Node, world: int):
-    """``cat([split(stacked, n)[0..world-1]], d)``: the split/cat form that moves the rank blocks stacked
-    along dim 0 to dim ``d``. Returns ``(cat, d, layout nodes)`` or None."""
-    users = list(stacked.users)
-    if len(users) != 1 or users[0].target != aten.split.Tensor:
-        return None
-    split = users[0]
-    split_dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if split_dim != 0:
-        return None
-    pieces = list(split.users)
-    if len(pieces) != world or any(p.target is not operator.getitem or len(p.users) != 1 for p in pieces):
-        return None
-    cat = next(iter(pieces[0].users))
+@dataclasses.dataclass(frozen=True)
+class RankBlocks:
+    """``cat([split(source, size, split_dim)[r] for r in range(world)], cat_dim)``: how a post-grad graph moves
+    the rank blocks c10d stacks along dim 0 to another dim (after an all-gather: ``split_dim == 0``) or from
+    another dim (before a reduce-scatter: ``cat_dim == 0``)."""
+
+    source: Node
+    cat: Node
+    split_dim: int
+    cat_dim: int
+    equal: bool  # the blocks are ``world`` equal parts of ``source`` along ``split_dim``
+    nodes: tuple[Node, ...]  # split, the getitems in rank order, cat
+
+
+def _dim_arg(node: Node, position: int) -> int:
+    """The ``dim`` argument of a split or cat node, given by position or by name (default 0)."""
+    return node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+
+
+def _rank_blocks(cat: Node, world: int) -> RankBlocks | None:
+    """``cat`` as :class:`RankBlocks` of ``world`` blocks, every block used by ``cat`` alone; else None. The one
+    recognizer of the rank-block layout, for both collectives."""
     if cat.target != aten.cat.default:
         return None
-    ordered = sorted(pieces, key=lambda p: p.args[1])
-    if list(cat.args[0]) != ordered or [p.args[1] for p in ordered] != list(range(world)):
+    pieces = list(cat.args[0])
+    split = pieces[0].args[0] if pieces and pieces[0].target is operator.getitem else None
+    if split is None or split.target != aten.split.Tensor or len(pieces) != world or len(split.users) != world:
         return None
-    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-    value = _val(cat)
-    if value is None:
+    if not all(
+        p.target is operator.getitem and p.args[0] is split and p.args[1] == rank and len(p.users) == 1
+        for rank, p in enumerate(pieces)
+    ):
         return None
-    return cat, dim % value.dim(), (split, *ordered, cat)
+    source = split.args[0]
+    source_value, cat_value = fake_value(source), fake_value(cat)
+    if source_value is None or cat_value is None:
+        return None
+    split_dim = _dim_arg(split, 2) % source_value.dim()
+    equal = _provably_equal(size_value(split.args[1]) * world, source_value.shape[split_dim])
+    return RankBlocks(source, cat, split_dim, _dim_arg(cat, 1) % cat_value.dim(), equal, (split, *pieces, cat))
+
+
+def _blocks_moved_from_dim0(stacked: Node, world: int) -> RankBlocks | None:
+    """The rank blocks of ``stacked`` (an all-gather's result, ranks along dim 0) moved to another dim by its
+    only user, or None."""
+    users = list(stacked.users)
+    if len(users) != 1 or users[0].target != aten.split.Tensor or not users[0].users:
+        return None
+    first_block = next(iter(users[0].users))
+    if len(first_block.users) != 1:
+        return None
+    blocks = _rank_blocks(next(iter(first_block.users)), world)
+    return blocks if blocks is not None and blocks.split_dim == 0 and blocks.equal else None
 
 
 def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node], list[Node]]:
     """The matmuls that read ``gathered`` as their left operand, directly or through reshapes ending in a 2-D
     ``[-1, K]`` (K = gathered's last dim: a row-major flatten, whatever the reshapes in between); every other
     user of ``gathered`` or of those reshapes; and the reshapes visited (users before their inputs)."""
-    value = _val(gathered)
+    value = fake_value(gathered)
     consumers, others, views = [], [], []
 
     def as_consumer(user: Node, operand: Node) -> Consumer | None:
@@ -266,13 +304,15 @@ def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node], list[Node
         return None
 
     def visit(node: Node, view: Node | None) -> None:
-        node_value = _val(node)
-        is_matrix = node_value is not None and node_value.dim() == 2 and _same(node_value.shape[1], value.shape[-1])
+        node_value = fake_value(node)
+        is_matrix = (
+            node_value is not None and node_value.dim() == 2 and _provably_equal(node_value.shape[1], value.shape[-1])
+        )
         for user in node.users:
             consumer = as_consumer(user, node) if is_matrix else None
             if consumer is not None:
                 consumers.append(dataclasses.replace(consumer, view=view))
-            elif user.target in RESHAPES and _val(user) is not None:
+            elif user.target in RESHAPES and fake_value(user) is not None:
                 views.append(user)
                 visit(user, user)
             else:
@@ -288,22 +328,22 @@ def match_all_gather(collective: Node) -> GatherMatch | Unfusable:
     found = _gathered_tensor(collective)
     if found is None:
         return Unfusable(
-            f"the all-gather's result is used before or besides its wait_tensor ({_describe(collective.users)})"
+            f"the all-gather's result is used before or besides its wait_tensor ({_describe_nodes(collective.users)})"
         )
     wait, gathered, gather_dim, layout_nodes = found
-    gathered_value = _val(gathered)
+    gathered_value = fake_value(gathered)
     if gathered_value is None or gathered_value.dim() == 0:
         return Unfusable("the gathered tensor has no known shape (or is 0-d)")
     fp8 = gathered_value.dtype in FP8_DTYPES
-    if fp8 and _val(shard).dtype not in FP8_DTYPES:
-        if shard.target != DTYPE_VIEW or _val(shard.args[0]).dtype != gathered_value.dtype:
+    if fp8 and fake_value(shard).dtype not in FP8_DTYPES:
+        if shard.target != DTYPE_VIEW or fake_value(shard.args[0]).dtype != gathered_value.dtype:
             return Unfusable("the gathered FP8 data is not the all-gather of an FP8 shard (or of its bytes)")
         shard = shard.args[0]
     consumers, others, views = _consumers_of(gathered)
     if not consumers:
         return Unfusable(
             f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through "
-            f"reshapes to 2-D; its users: {_describe(gathered.users)}"
+            f"reshapes to 2-D; its users: {_describe_nodes(gathered.users)}"
         )
     if not fp8 and gathered_value.dtype not in MATMUL_DTYPES:
         return Unfusable(
@@ -311,7 +351,7 @@ def match_all_gather(collective: Node) -> GatherMatch | Unfusable:
             f"{', '.join(map(str, MATMUL_DTYPES + FP8_DTYPES))}"
         )
     for consumer in consumers:
-        b_value = _val(consumer.b)
+        b_value = fake_value(consumer.b)
         if b_value is None or (b_value.dtype != gathered_value.dtype and not fp8):
             return Unfusable(
                 f"matmul {consumer.matmul.name}: its right operand's dtype differs from the "
@@ -343,17 +383,16 @@ def _with_scales(match: GatherMatch) -> GatherMatch | Unfusable:
     native graph all rows with its own), a row-wise one is the all-gather of the scales, fused too."""
     args = [c.scaled for c in match.consumers]
     for consumer, scaled in zip(match.consumers, args):
-        if scaled["bias"] is not None or scaled["scale_result"] is not None:
-            return Unfusable(
-                f"_scaled_mm {consumer.matmul.name} has a bias or scale_result, which the fused op has not"
-            )
+        extras = _scaled_mm_extras(consumer.matmul, scaled)
+        if extras is not None:
+            return extras
     if len({a["out_dtype"] for a in args}) != 1:
         return Unfusable("the _scaled_mm consumers have different out_dtypes (one fused op has one)")
     scale = args[0]["scale_a"]
     if any(a["scale_a"] is not scale for a in args):
         return Unfusable("the _scaled_mm consumers scale the gathered operand with different scale_a")
-    scale_value = _val(scale)
-    out_dtype = args[0]["out_dtype"] or _val(match.gathered).dtype
+    scale_value = fake_value(scale)
+    out_dtype = args[0]["out_dtype"] or fake_value(match.gathered).dtype
     if scale_value is not None and scale_value.dim() == 0:
         if not _same_on_every_rank(scale):
             return Unfusable(
@@ -389,12 +428,15 @@ def _strip_reshapes(node: Node, chain: list[Node]) -> Node:
 def _product_terms(product: Node, chain: list[Node]) -> list[Node] | Unfusable:
     """The mm nodes that sum (through reshapes that keep the last dim) to ``product``; every node on the
     way must have no other user, or the matmul would have to run anyway."""
-    value = _val(product)
+    value = fake_value(product)
     node = _strip_reshapes(product, chain)
     if node.target == aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
         if node is not product and len(node.users) != 1:
             return Unfusable(f"the sum {node.name} feeding the reduce-scatter has other users")
-        if any(_val(arg) is None or tuple(_val(arg).shape) != tuple(_val(node).shape) for arg in node.args):
+        if any(
+            fake_value(arg) is None or tuple(fake_value(arg).shape) != tuple(fake_value(node).shape)
+            for arg in node.args
+        ):
             return Unfusable(f"the sum {node.name} feeding the reduce-scatter broadcasts")
         chain.append(node)
         terms = []
@@ -404,40 +446,38 @@ def _product_terms(product: Node, chain: list[Node]) -> list[Node] | Unfusable:
                 return found
             terms += found
         return terms
-    if node.target == MM:
-        if node is not product and len(node.users) != 1:
-            return Unfusable(f"the matmul {node.name} feeding the reduce-scatter has other users")
-        out = _val(node)
-        if value is None or out is None or not _same(out.shape[-1], value.shape[-1]):
-            return Unfusable(f"a reshape between the matmul {node.name} and the reduce-scatter changes the last dim")
-        chain.append(node)
-        return [node]
     if node.target == ADDMM:
         return Unfusable(
             f"{node.name} is an addmm: a bias added before the reduce-scatter would be summed over "
             "ranks; the pass fuses only mm"
         )
+    if node.target not in (MM, SCALED_MM):
+        return Unfusable(f"the reduce-scatter's input is not a matmul or a sum of matmuls: {_describe_nodes([node])}")
     if node.target == SCALED_MM:
-        scaled = _scaled_mm_args(node)
-        if scaled["bias"] is not None or scaled["scale_result"] is not None:
-            return Unfusable(f"_scaled_mm {node.name} has a bias or scale_result, which the fused op has not")
-        if node is not product and len(node.users) != 1:
-            return Unfusable(f"the matmul {node.name} feeding the reduce-scatter has other users")
-        chain.append(node)
-        return [node]
-    return Unfusable(f"the reduce-scatter's input is not a matmul or a sum of matmuls: {_describe([node])}")
+        extras = _scaled_mm_extras(node, _scaled_mm_args(node))
+        if extras is not None:
+            return extras
+    if node is not product and len(node.users) != 1:
+        return Unfusable(f"the matmul {node.name} feeding the reduce-scatter has other users")
+    out = fake_value(node)
+    if node.target == MM and (value is None or out is None or not _provably_equal(out.shape[-1], value.shape[-1])):
+        return Unfusable(f"a reshape between the matmul {node.name} and the reduce-scatter changes the last dim")
+    chain.append(node)
+    return [node]
 
 
 def _shape_args(product: Node, chain: list[Node]) -> list | None:
     """``product``'s shape as reshape arguments: plain ints, or the size arguments of a reshape in the chain
     that produces that shape (dynamic shapes: their size nodes already exist in the graph)."""
-    value = _val(product)
+    value = fake_value(product)
     if all(isinstance(size, int) for size in value.shape):
         return list(value.shape)
     for node in chain:
-        if node.target in RESHAPES and tuple(_val(node).shape) == tuple(value.shape):
+        if node.target in RESHAPES and tuple(fake_value(node).shape) == tuple(value.shape):
             shape = list(node.args[1])
-            if all(_same(_value_of(arg), size) for arg, size in zip(shape, value.shape) if _value_of(arg) != -1):
+            if all(
+                _provably_equal(size_value(arg), size) for arg, size in zip(shape, value.shape) if size_value(arg) != -1
+            ):
                 return shape
     return None
 
@@ -447,34 +487,20 @@ def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable:
     users = list(collective.users)
     waits = [u for u in users if u.target == WAIT]
     if len(waits) != 1 or any(u.op != "output" for u in users if u is not waits[0]):
-        return Unfusable(f"the reduce-scatter's result is used before or besides its wait_tensor ({_describe(users)})")
+        return Unfusable(
+            f"the reduce-scatter's result is used before or besides its wait_tensor ({_describe_nodes(users)})"
+        )
     if reduce_op not in REDUCE_OPS:
         return Unfusable(f"reduce op {reduce_op!r}: the fused op reduces with {REDUCE_OPS}")
 
     chain: list[Node] = []
     product, scatter_dim = scattered, 0
-    if scattered.target == aten.cat.default and len(scattered.users) == 1:
-        pieces = list(scattered.args[0])
-        cat_dim = scattered.args[1] if len(scattered.args) > 1 else scattered.kwargs.get("dim", 0)
-        split = pieces[0].args[0] if pieces[0].target is operator.getitem else None
-        if (
-            cat_dim == 0
-            and split is not None
-            and split.target == aten.split.Tensor
-            and len(pieces) == world
-            and len(split.users) == world
-            and all(
-                p.target is operator.getitem and p.args[0] is split and p.args[1] == i and len(p.users) == 1
-                for i, p in enumerate(pieces)
-            )
-        ):
-            source = split.args[0]
-            value = _val(source)
-            dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % value.dim()
-            if not _same(_value_of(split.args[1]) * world, value.shape[dim]):
-                return Unfusable(f"the reduce-scatter's blocks along dim {dim} are not {world} equal splits")
-            product, scatter_dim = source, dim
-            chain += [scattered, *pieces, split]
+    blocks = _rank_blocks(scattered, world) if len(scattered.users) == 1 else None
+    if blocks is not None and blocks.cat_dim == 0:
+        if not blocks.equal:
+            return Unfusable(f"the reduce-scatter's blocks along dim {blocks.split_dim} are not {world} equal splits")
+        product, scatter_dim = blocks.source, blocks.split_dim
+        chain += reversed(blocks.nodes)
     if len(product.users) != 1:
         return Unfusable(f"the reduced tensor {product.name} has other users")
 
@@ -484,7 +510,7 @@ def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable:
     scaled = _scaled_mm_args(terms[0]) if terms[0].target == SCALED_MM else None
     if scaled is not None and len(terms) > 1:
         return Unfusable("a sum of scaled matmuls: the fused op multiplies one pair of FP8 operands")
-    dtypes = {_val(t.args[i]).dtype for t in terms for i in (0, 1)}
+    dtypes = {fake_value(t.args[i]).dtype for t in terms for i in (0, 1)}
     if scaled is not None and not dtypes <= set(FP8_DTYPES):
         return Unfusable(f"the scaled matmul's operands are {sorted(map(str, dtypes))}, not FP8")
     if scaled is None and (len(dtypes) != 1 or not dtypes <= set(MATMUL_DTYPES)):
@@ -492,7 +518,7 @@ def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable:
             f"the matmul operands are {sorted(map(str, dtypes))}; the fused op multiplies one of "
             f"{', '.join(map(str, MATMUL_DTYPES))}"
         )
-    if len(terms) > 1 and not all(isinstance(_val(t.args[0]).shape[1], int) for t in terms):
+    if len(terms) > 1 and not all(isinstance(fake_value(t.args[0]).shape[1], int) for t in terms):
         return Unfusable("a sum of matmuls with a symbolic contraction size")
     shape_args = _shape_args(product, chain)
     if shape_args is None:

@@ -1,11 +1,9 @@
-"""Whether fusing a matched collective pays: the plan the fused op would run (fastmesh/ops/plans.py).
+"""Whether fusing a matched collective pays: the plan the fused op would run (``fastmesh/ops/plans.py``).
 
-The pass asks the planner the question the op asks at run time, on the graph's fake tensors, but without
-talking to the other ranks (compilation is no place for collectives): the cached measured plan, else the
-cost model. When that plan is the unfused sequence, fusing would only move the same work into the op, and
-the collective is left for inductor as it is. Ranks decide alike as long as they read the same cache file
-(on one machine they do; across machines, give every machine the file ``fastmesh tune`` wrote).
-Shapes that are symbolic (``dynamic=True``) are fused, and the op plans each call at run time.
+:func:`unprofitable` asks the planner offline (no collectives during compilation: the cached measured plan,
+else the cost model) on the graph's fake tensors. When that plan is the unfused sequence it gives the reason
+to leave the collective to inductor; otherwise, and for symbolic shapes (the op then plans each call at run
+time), it gives None. Why ranks decide alike: ``docs/design/compile.md``.
 """
 
 from __future__ import annotations
@@ -18,30 +16,26 @@ from fastmesh.ops.fused_collectives import gather_plan_call, scatter_plan_call
 from fastmesh.ops.fused_collectives_fp8 import scaled_gather_plan_call, scaled_scatter_plan_call
 
 
-def _static(t: torch.Tensor | None) -> bool:
-    return t is not None and all(isinstance(size, int) for size in t.shape)
-
-
 def _gather_call(match: patterns.GatherMatch) -> plans.Call | None:
-    shard = patterns._val(match.shard)
-    bs = [patterns._val(c.b) for c in match.consumers]
-    if not (_static(shard) and all(_static(b) for b in bs)):
+    shard = patterns.fake_value(match.shard)
+    bs = [patterns.fake_value(c.b) for c in match.consumers]
+    if not plans.has_static_shape(shard, *bs):
         return None
     dim = match.gather_dim % shard.dim()
     if match.a_scale is None:
         return gather_plan_call(shard, bs, dim, match.group_name)
-    a_scale = patterns._val(match.a_scale)
+    a_scale = patterns.fake_value(match.a_scale)
     if match.scale_gather is not None:  # row-wise: the shard's scales, one per row
         a_scale = shard.new_empty(list(shard.shape[:-1]) + [1], dtype=torch.float32)
     return scaled_gather_plan_call(shard, a_scale, bs, dim, match.group_name, match.out_dtype)
 
 
 def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
-    product = patterns._val(match.product)
-    terms = [(patterns._val(t.args[0]), patterns._val(t.args[1])) for t in match.terms]
-    if not (_static(product) and all(_static(a) and _static(b) for a, b in terms)):
+    product = patterns.fake_value(match.product)
+    terms = [(patterns.fake_value(t.args[0]), patterns.fake_value(t.args[1])) for t in match.terms]
+    if not plans.has_static_shape(product, *(t for term in terms for t in term)):
         return None
-    shape = [patterns._value_of(s) for s in match.shape_args]
+    shape = [patterns.size_value(s) for s in match.shape_args]
     if not all(isinstance(s, int) for s in shape):
         return None
     a0, b0 = terms[0]
@@ -51,7 +45,7 @@ def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
     dim = match.scatter_dim % len(shape)
     if match.scaled is None:
         return scatter_plan_call(a, b, dim, match.group_name)
-    a_scale, b_scale = (patterns._val(match.scaled[name]) for name in ("scale_a", "scale_b"))
+    a_scale, b_scale = (patterns.fake_value(match.scaled[name]) for name in ("scale_a", "scale_b"))
     a_scale = a.new_empty(shape[:-1] + [1], dtype=torch.float32) if a_scale.dim() else a_scale
     out_dtype = match.scaled["out_dtype"] or product.dtype
     return scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, match.group_name, out_dtype)
@@ -60,9 +54,7 @@ def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
 def unprofitable(match) -> str | None:
     """Why fusing ``match`` (a GatherMatch or ScatterMatch) would not pay, or None to fuse it."""
     call = _gather_call(match) if isinstance(match, patterns.GatherMatch) else _scatter_call(match)
-    if call is None or call.shape.world == 1:
-        return None
-    decision = plans.decide_offline(call)
-    if decision.plan != plans.UNFUSED:
+    decision = None if call is None else plans.unfused_offline(call)
+    if decision is None:
         return None
     return f"not profitable: {call.op}'s plan for these shapes is {decision.describe()}"

@@ -67,7 +67,7 @@ def _cat_matrices(build: _NodeBuilder, matrices, dim: int) -> Node:
     """``cat(matrices, dim)`` of 2-D nodes. When every matrix is a transposed view of a contiguous one (a
     weight ``w.t()``), the contiguous ones are concatenated along the other dim and the result transposed: no
     transposing copy, and no transposes materialized into a cat, which inductor's CPU code gets wrong for
-    16-bit dtypes (NaNs; torch 2.11 and 2.14)."""
+    16-bit dtypes (docs/design/compile.md)."""
     if all(_is_transposed_contiguous(m.meta["val"]) for m in matrices):
         rows = [build.call(aten.permute.default, m, [1, 0]) for m in matrices]
         return build.call(aten.permute.default, build.call(aten.cat.default, rows, 1 - dim), [1, 0])

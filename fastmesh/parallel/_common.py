@@ -3,26 +3,14 @@ the local tensors the fused ops take. Nothing numerical happens here."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from fastmesh.ops._fused_common import check_pieces, resolve_pieces
 from fastmesh.ops.fused_collectives_fp8 import OUT_DTYPES, check_config
-
-logger = logging.getLogger("fastmesh.parallel")
-
-_warned: set[str] = set()
-
-
-def warn_once(key: str, message: str, *args) -> None:
-    """Say once per process that a fused path was not taken (and why)."""
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
 
 
 def check_sequence_placement(placement, style: str, arg: str, allow_replicate: bool) -> Placement:
@@ -40,12 +28,41 @@ def check_fp8(config, style: str):
     return None if config is None else check_config(config, style)
 
 
+def check_fp8_input(fp8, placement: Placement, style: str, got: str) -> None:
+    """FP8 quantizes the shard that travels: a replicated input (``got`` says how it was given) has none."""
+    if fp8 is not None and isinstance(placement, Replicate):
+        raise ValueError(
+            f"{style}: fp8 needs a sequence-sharded input (it quantizes the shard that travels), got {got}"
+        )
+
+
+def pipeline_pieces(pieces, chunks, style: str) -> int | None:
+    """The ``pieces`` keyword (``chunks`` its deprecated alias): None for the op's plan per call, else an int
+    >= 0. The FutureWarning points at the code that built the style."""
+    pieces = resolve_pieces(pieces, chunks, style, stacklevel=4)
+    if pieces is not None:
+        check_pieces(pieces, style)
+    return pieces
+
+
 def check_mesh(mesh: DeviceMesh, style: str) -> None:
     if mesh.ndim != 1:
         raise ValueError(
             f"{style}: parallelize_module must be given a 1-D device mesh (the TP axis, e.g. mesh['tp']), "
             f"got a {mesh.ndim}-D mesh with axes {mesh.mesh_dim_names}"
         )
+
+
+def check_linear_names(linears, style: str) -> tuple[str, ...] | None:
+    """The ``linears`` keyword: None, or one or more distinct submodule names."""
+    if linears is None:
+        return None
+    if isinstance(linears, str) or not all(isinstance(name, str) and name for name in linears):
+        raise TypeError(f"{style}: linears must be a sequence of submodule names, got {linears!r}")
+    names = tuple(linears)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"{style}: linears must name one or more distinct submodules, got {names!r}")
+    return names
 
 
 def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_features: str, fp8) -> nn.Linear:
@@ -141,7 +158,8 @@ def local_input(x, mesh: DeviceMesh, layout: Placement, style: str) -> tuple[tor
     raise ValueError(f"{style}: the input DTensor must be placed Shard(sequence_dim) or Replicate(), got {placement!r}")
 
 
-def output(local: torch.Tensor, mesh: DeviceMesh, placement: Placement, use_local_output: bool):
+def as_output(local: torch.Tensor, mesh: DeviceMesh, placement: Placement, use_local_output: bool):
+    """What the module returns: ``local`` itself, or a DTensor of it placed ``placement``."""
     if use_local_output:
         return local
     return DTensor.from_local(local, mesh, [placement], run_check=False)

@@ -1,0 +1,163 @@
+"""One all-gather shared by sibling linears: the machinery of ``FusedColwiseParallel(linears=(...))``.
+
+Who owns what:
+
+* A :class:`SharedGather` belongs to one parent module (``attention``, ``feed_forward``). It shards the listed
+  linears' parameters, replaces each listed linear's ``forward`` and wraps the parent's.
+* The parent's wrapped forward runs one fused gather + matmuls (``all_gather_matmul`` with every listed
+  linear's weight), then the parent's own forward with the gathered input, a ``Replicate()`` DTensor. The
+  linears' outputs ride on that DTensor (attribute ``_fastmesh_sibling_outputs``: name -> output) and nowhere
+  else.
+* A listed linear called with that DTensor returns its output from it. In eager, an alias of it (same data
+  pointer, shape, stride, dtype and placement: what a module with backward hooks receives) counts as it.
+
+Release: when the parent's forward returns or raises, eager mode deletes the attribute and forgets the
+gathered input, so a gathered input kept past the call never hands out outputs of weights changed since.
+Compiled, nothing outlives the traced call.
+
+A listed linear called without its parent, or with another input, runs alone, as under
+``FusedColwiseParallel()`` (its own fused gather); called so during its parent's forward, it says so once
+(WARNING, logger ``fastmesh.parallel``).
+
+Gradients: any other use of the gathered input in the parent's forward is a DTensor op with its own
+gradient; only the group's rank 0 passes that gradient on, so the fused op's reduce-scatter counts it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from fastmesh._log import log_once
+from fastmesh.parallel._common import check_fp8_input, check_linear
+
+logger = logging.getLogger("fastmesh.parallel")
+
+_COLWISE = "FusedColwiseParallel"  # the style whose linears= builds a SharedGather
+
+# On the gathered input itself, so that each sibling finds its output by its argument alone: compiled
+# activation checkpointing forbids state outside the call.
+_SIBLING_OUTPUTS = "_fastmesh_sibling_outputs"
+
+
+class SharedGather:
+    """The listed linears of ``parent`` under ``style`` (a ``FusedColwiseParallel`` with ``linears``), and the
+    gather they share. Built by the style's ``_apply``; :meth:`wrap_forward` gives the parent's forward."""
+
+    def __init__(self, style, mesh: DeviceMesh, parent: nn.Module):
+        self.style, self.mesh = style, mesh
+        self.named_linears = []
+        for name in style.linears:
+            try:
+                child = parent.get_submodule(name)
+            except AttributeError as error:
+                raise ValueError(
+                    f"{_COLWISE}: linears names {name!r}, which {type(parent).__name__} does not have"
+                ) from error
+            linear = check_linear(child, _COLWISE, name, mesh, "out_features", style.fp8)
+            self.named_linears.append((name, linear))
+        in_features = {linear.in_features for _, linear in self.named_linears}
+        if len(in_features) != 1:
+            raise ValueError(
+                f"{_COLWISE}: the linears sharing a gather must read the same input, but their "
+                f"in_features differ: {[(n, lin.in_features) for n, lin in self.named_linears]}"
+            )
+        self.keeps_replicated_grad = mesh.get_local_rank() == 0
+        # Eager only: the gathered input of the parent's call in progress, to recognize aliases of it.
+        self.eager_gathered: DTensor | None = None
+        for name, linear in self.named_linears:
+            style._partition_linear_fn(linear, mesh)
+            linear.forward = types.MethodType(self._sibling_forward(name), linear)
+
+    def wrap_forward(self, forward):
+        """The parent's forward (``forward``, bound), preceded by the shared gather and followed by release."""
+
+        def gathered_forward(parent: nn.Module, *args, **kwargs):
+            args, kwargs = self.gather_and_multiply(parent, args, kwargs)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.release()
+
+        return gathered_forward
+
+    def gather_and_multiply(self, parent: nn.Module, args: tuple, kwargs: dict):
+        """The parent's arguments with its input replaced by the gathered input, which carries the outputs."""
+        if not args:
+            raise TypeError(
+                f"{_COLWISE}(linears={self.style.linears}): {type(parent).__name__}'s input must be its "
+                "first positional argument"
+            )
+        x, placement = self.style._prepare_input_fn(args[0], self.mesh)
+        if isinstance(placement, Replicate):
+            check_fp8_input(self.style.fp8, placement, _COLWISE, "a replicated one")
+            return (x, *args[1:]), kwargs
+        a, outs = self.style._gather_matmul(self.mesh, self.named_linears, x, placement, return_a=True)
+        a = _CountReplicatedGradOnce.apply(a, self.keeps_replicated_grad)
+        gathered = DTensor.from_local(a, self.mesh, [Replicate()], run_check=False)
+        setattr(gathered, _SIBLING_OUTPUTS, {name: out for (name, _), out in zip(self.named_linears, outs)})
+        if not torch.compiler.is_compiling():
+            self.eager_gathered = gathered
+        return (gathered, *args[1:]), kwargs
+
+    def release(self) -> None:
+        if not torch.compiler.is_compiling() and self.eager_gathered is not None:
+            delattr(self.eager_gathered, _SIBLING_OUTPUTS)
+            self.eager_gathered = None
+
+    def _outputs_for(self, x) -> dict | None:
+        """The outputs ``x`` carries: ``x`` is the gathered input, or (eager) an alias of it; else None."""
+        outputs = getattr(x, _SIBLING_OUTPUTS, None)
+        gathered = self.eager_gathered
+        if outputs is not None or gathered is None or not isinstance(x, DTensor):
+            return outputs
+        mine, theirs = x._local_tensor, gathered._local_tensor
+        same = (
+            x.placements == gathered.placements
+            and mine.data_ptr() == theirs.data_ptr()
+            and mine.shape == theirs.shape
+            and mine.stride() == theirs.stride()
+            and mine.dtype == theirs.dtype
+        )
+        return getattr(gathered, _SIBLING_OUTPUTS) if same else None
+
+    def _sibling_forward(self, name: str):
+        """The forward of the listed linear ``name`` (bound to it): its shared output, or a run of its own."""
+
+        def forward(linear: nn.Linear, x):
+            outputs = self._outputs_for(x)
+            if outputs is not None:
+                return outputs[name]
+            if self.eager_gathered is not None:
+                log_once(
+                    logger,
+                    logging.WARNING,
+                    ("fastmesh.parallel", id(self), name),
+                    "%s: %s was called with an input other than the gathered input of its "
+                    "parent, so it runs on its own (no shared gather)",
+                    _COLWISE,
+                    name,
+                )
+            return self.style._forward(linear, x, self.mesh, name)
+
+        return forward
+
+
+class _CountReplicatedGradOnce(torch.autograd.Function):
+    """Identity; in backward, only the rank that ``keep``s passes the gradient on. The fused op reduce-scatters
+    (sums over the ranks) whatever gradient its gathered output gets; a replicated use of it gives every rank
+    the whole gradient (DTensor all-reduces partial ones into that), which the sum must count once."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, keep: bool):
+        ctx.keep = keep
+        return a.view_as(a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
