@@ -2,19 +2,21 @@
 
 For each op, dtype and shape, the contenders run round-robin (interleaved rounds, after warm-up):
 
-* ``fastmesh``: ``fastmesh.all_gather_matmul`` / ``fastmesh.matmul_reduce_scatter``; for ``float8``
-  ``torch.ops.fastmesh.all_gather_scaled_matmul`` / ``scaled_matmul_reduce_scatter`` on FP8 data with
-  tensor-wise or row-wise scales, bf16 out;
-* ``unfused`` (baseline): the c10d all-gather then ``matmul`` per b / ``matmul`` then the c10d reduce-scatter
-  (FP8: the FP8 bytes and their row-wise scales gathered, then ``torch._scaled_mm``), into preallocated
-  outputs, plus the block-reordering copy c10d needs when the gathered / scattered dim is not 0;
+* ``fastmesh``: ``fastmesh.all_gather_matmul`` / ``fastmesh.matmul_reduce_scatter`` / ``fastmesh.matmul_all_reduce``;
+  for ``float8`` ``torch.ops.fastmesh.all_gather_scaled_matmul`` / ``scaled_matmul_reduce_scatter`` on FP8 data
+  with tensor-wise or row-wise scales, bf16 out;
+* ``unfused`` (baseline): the c10d all-gather then ``matmul`` per b / ``matmul`` then the c10d reduce-scatter /
+  ``matmul`` then the c10d all-reduce (FP8: the FP8 bytes and their row-wise scales gathered, then
+  ``torch._scaled_mm``), into preallocated outputs, plus the block-reordering copy c10d needs when the
+  gathered / scattered dim is not 0;
 * ``symm_mem`` (baseline, on two or more CUDA GPUs): PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul``
   / ``fused_matmul_reduce_scatter`` with symmetric memory enabled for the group;
 * ``comm`` and ``matmul`` (parts): the collective alone and the multiplies alone, same sizes;
 * ``bound``: ``max(comm, matmul)`` per round, perfect overlap.
 
 On CPU (gloo) also ``p2p`` (part): the same bytes moved as fastmesh moves them on gloo (send/recv with every
-peer), and ``cpu_bound = matmul + (CPU share of p2p) x p2p``: on CPU the transfer is work for the same cores
+peer; for the all-reduce, gloo's own all-reduce, which fastmesh uses), and
+``cpu_bound = matmul + (CPU share of p2p) x p2p``: on CPU the transfer is work for the same cores
 (gloo copies through loopback TCP on its own thread), so this is what a rank's core must do however well it
 overlaps. Targets (issue 4): fastmesh/bound <= 1.10, and speedup_vs_unfused >= 1.15 where comm/matmul >= 0.25.
 
@@ -25,7 +27,9 @@ against the unfused one (random inputs) before timing. Each row names the plan t
 Cases: ``--case fused_collectives=ag:2048x4096:0:384`` = op (``ag`` all_gather_matmul, ``rs``
 matmul_reduce_scatter), this rank's ``a_shard`` (ag) or ``a`` (rs) shape, the gathered / scattered dim, the
 columns of each b (several for ag: ``256,256,256``), and optionally the fused op's piece count (``:4``; default:
-its automatic choice), to compare piece counts case by case.
+its automatic choice), to compare piece counts case by case. ``ar:4096x256:1024[:PIECES]``: matmul_all_reduce of
+this rank's ``a`` (its last dim this rank's part of the contraction) by a ``[K, 1024]`` b, no dim (FP8:
+``torch.ops.fastmesh.scaled_matmul_all_reduce``).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from fastmesh.ops import plans
 from fastmesh.ops._collectives import all_gather_into, reduce_scatter_into
 
 E4M3 = torch.float8_e4m3fn
-_OP_CODES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}
+_OP_CODES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}  # float8: out dtype
 FP8_GRANULARITIES = ("rowwise", "tensorwise")
 # assert_close (rtol, atol) for unit-scale outputs. fp32: a different blocking of the same dot products. bf16 (and
@@ -66,6 +70,9 @@ FULL_CASES = {
         "rs:4096x384:0:4096",
         "rs:4096x1024:0:2048",
         "rs:4x1024x768:1:3072",
+        "ar:4096x256:1024",
+        "ar:2048x1024:2048",
+        "ar:4x512x512:1024",
     ],
     "bfloat16": [
         "ag:2048x4096:0:48",
@@ -77,6 +84,9 @@ FULL_CASES = {
         "rs:4096x128:0:4096",
         "rs:4096x256:0:4096",
         "rs:4x1024x192:1:4096",
+        "ar:4096x128:1024",
+        "ar:4096x256:1024",
+        "ar:4x1024x128:1024",
     ],
     "float8": [
         "ag:2048x4096:0:16",
@@ -84,20 +94,21 @@ FULL_CASES = {
         "ag:4x512x4096:1:32",
         "rs:4096x64:0:4096",
         "rs:4x1024x64:1:4096",
+        "ar:4096x64:1024",
     ],
 }
 QUICK_CASES = {
-    "float32": ["ag:1024x2048:0:512", "ag:2x256x2048:1:128,128,128", "rs:2048x512:0:2048"],
-    "bfloat16": ["ag:1024x2048:0:128", "rs:2048x128:0:2048"],
-    "float8": ["ag:1024x2048:0:32", "rs:2048x64:0:2048"],
+    "float32": ["ag:1024x2048:0:512", "ag:2x256x2048:1:128,128,128", "rs:2048x512:0:2048", "ar:1024x256:512"],
+    "bfloat16": ["ag:1024x2048:0:128", "rs:2048x128:0:2048", "ar:1024x128:512"],
+    "float8": ["ag:1024x2048:0:32", "rs:2048x64:0:2048", "ar:1024x64:512"],
 }
 
 
 @dataclass(frozen=True)
 class Spec:
     op: str
-    shape: tuple  # this rank's a_shard (all_gather_matmul) or a (matmul_reduce_scatter)
-    dim: int  # gather_dim / scatter_dim, as given (may be negative)
+    shape: tuple  # this rank's a_shard (all_gather_matmul) or a (the others)
+    dim: int  # gather_dim / scatter_dim, as given (may be negative); -1 for matmul_all_reduce
     ns: tuple  # columns of each b
     pieces: int = 0  # the fused op's piece count (0: its automatic choice)
 
@@ -105,13 +116,17 @@ class Spec:
         repeated = len(self.ns) > 1 and len(set(self.ns)) == 1
         ns = f"{len(self.ns)}x{self.ns[0]}" if repeated else ",".join(map(str, self.ns))
         pieces = f" pieces={self.pieces}" if self.pieces else ""
-        return f"{self.op} [{', '.join(map(str, self.shape))}] d{self.dim} N={ns}{pieces}"
+        dim = "" if self.op == "matmul_all_reduce" else f" d{self.dim}"
+        return f"{self.op} [{', '.join(map(str, self.shape))}]{dim} N={ns}{pieces}"
 
 
 def parse_spec(spec: str, world: int = 2, family: str = "fused_collectives") -> Spec:
     """A ``--case`` spec of ``family`` (see the module docstring); ValueError says the expected form."""
     try:
-        code, shape, dim, ns, *pieces = spec.split(":")
+        fields = spec.split(":")
+        if fields[0] == "ar":  # no dim: the product is reduced whole
+            fields.insert(2, "-1")
+        code, shape, dim, ns, *pieces = fields
         if len(pieces) > 1:
             raise ValueError
         parsed = Spec(
@@ -123,17 +138,17 @@ def parse_spec(spec: str, world: int = 2, family: str = "fused_collectives") -> 
         )
     except (KeyError, ValueError):
         raise ValueError(
-            f'{family} case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:PIECES]", '
-            'e.g. "ag:2048x4096:0:384" or "ag:2048x4096:0:384:4"'
+            f'{family} case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:PIECES]" or "ar:DxDx..:N[:PIECES]", '
+            'e.g. "ag:2048x4096:0:384", "ag:2048x4096:0:384:4" or "ar:4096x256:1024"'
         ) from None
     ndim = len(parsed.shape)
     if parsed.pieces < 0:
         raise ValueError(f"{family} case {spec!r}: PIECES must be >= 0 (0: the op's automatic count)")
     if ndim < 2 or not -ndim <= parsed.dim < ndim or min(parsed.shape + parsed.ns) <= 0:
         raise ValueError(f"{family} case {spec!r}: the shape needs >= 2 positive dims and dim in [{-ndim}, {ndim})")
+    if parsed.op != "all_gather_matmul" and len(parsed.ns) != 1:
+        raise ValueError(f"{family} case {spec!r}: {parsed.op} takes one b")
     if parsed.op == "matmul_reduce_scatter":
-        if len(parsed.ns) != 1:
-            raise ValueError(f"{family} case {spec!r}: matmul_reduce_scatter takes one b")
         out_shape = parsed.shape[:-1] + parsed.ns
         if out_shape[parsed.dim] % world:
             raise ValueError(
@@ -408,8 +423,76 @@ class _Scatter:
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(self.a, self.b, "sum", self.dim, self.group.group_name)
 
 
+class _AllReduce:
+    """matmul_all_reduce contenders of one case (FP8: ``scaled_matmul_all_reduce``, bf16 out). fastmesh moves the
+    product with the group's own all-reduce on every backend, so ``p2p`` is that all-reduce too."""
+
+    def __init__(self, spec, dtype_name, granularity, group, device):
+        world, rank = group.size(), group.rank()
+        self.spec, self.group, self.world, self.rank = spec, group, world, rank
+        self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
+        self.fp8 = granularity is not None
+        self.fused_op = "fastmesh::scaled_matmul_all_reduce" if self.fp8 else "fastmesh::matmul_all_reduce"
+        dtype = TORCH_DTYPES[dtype_name]
+        (n,) = spec.ns
+        k = spec.shape[-1]
+        self.a = _random(spec.shape, dtype, 1000 + rank, device)
+        # Each rank holds its own rows of the weight; scaled so that the sum over ranks is unit-scale.
+        self.b = _random((k, n), dtype, 3000 + rank, device, (k * world) ** -0.5)
+        if self.fp8:
+            self.a_ops, self.b_ops = _fp8_rows(self.a, granularity), _fp8_columns(self.b, granularity)
+        self.c = torch.empty((*spec.shape[:-1], n), dtype=dtype, device=device)
+        self.zeros = torch.zeros_like(self.c)  # what comm() reduces: zeros stay zeros however often it runs
+        self.flops = 2 * self.c.numel() * k
+        self.comm_bytes = self.c.numel() * self.c.element_size()
+
+    def fastmesh(self):
+        if self.fp8:
+            (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
+            return torch.ops.fastmesh.scaled_matmul_all_reduce(
+                a, a_scale, b, b_scale, "sum", self.group.group_name, torch.bfloat16, self.spec.pieces
+            )
+        return fastmesh.matmul_all_reduce(self.a, self.b, group=self.group, pieces=self.spec.pieces or None)
+
+    def matmul(self):
+        if not self.fp8:
+            return torch.matmul(self.a, self.b, out=self.c)
+        (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
+        rows = a.reshape(-1, a.shape[-1])
+        scale = a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1)
+        _scaled_mm(rows, scale, b, b_scale, self.c.view(-1, self.c.shape[-1]))
+        return self.c
+
+    def comm(self):
+        dist.all_reduce(self.zeros, group=self.group)
+
+    p2p = comm
+
+    def unfused(self):
+        dist.all_reduce(self.matmul(), group=self.group)
+        return self.c
+
+    def check(self, dtype_name, candidate=None):
+        candidate = candidate or self.fastmesh
+        got = candidate().clone()
+        want = self.unfused()
+        rtol, atol = _TOLERANCES[dtype_name]
+        if dtype_name != "float32":
+            atol *= self.world  # the all-reduce's pieces may sum in another order
+        torch.testing.assert_close(
+            got, want, rtol=rtol, atol=atol, msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}: {m}"
+        )
+
+    symm_mem = None  # torch's symm_mem has no fused matmul + all-reduce
+
+
+_RUNNERS = {"all_gather_matmul": _Gather, "matmul_reduce_scatter": _Scatter, "matmul_all_reduce": _AllReduce}
+
+
 def _symm_mem_note(ctx: Context, runner) -> str | None:
     """Why PyTorch's symm_mem fused op is not a contender here, or None when it is."""
+    if runner.symm_mem is None:
+        return f"symm_mem baseline not run for {runner.spec.op}: torch's symm_mem has no such fused op"
     if ctx.device.type != "cuda":
         return "symm_mem baseline not run: torch's symm_mem fused ops need CUDA GPUs (they have no CPU kernel)"
     if runner.fp8:
@@ -479,9 +562,7 @@ def run(ctx: Context) -> None:
         if reason:
             ctx.note(reason)
             continue
-        runner = (_Gather if spec.op == "all_gather_matmul" else _Scatter)(
-            spec, dtype_name, granularity, ctx.group, ctx.device
-        )
+        runner = _RUNNERS[spec.op](spec, dtype_name, granularity, ctx.group, ctx.device)
         runner.check(dtype_name)
         candidates = {"fastmesh": runner.fastmesh, "unfused": runner.unfused}
         symm_note = _symm_mem_note(ctx, runner)
@@ -529,8 +610,8 @@ def run(ctx: Context) -> None:
 
 FAMILY = Family(
     "fused_collectives",
-    "all_gather_matmul and matmul_reduce_scatter (fp32, bf16, FP8) against the "
-    "unfused collective sequence and max(comm, matmul)",
+    "all_gather_matmul, matmul_reduce_scatter and matmul_all_reduce (fp32, bf16, FP8) against the unfused "
+    "collective sequence and max(comm, matmul)",
     distributed=True,
     dtypes=tuple(TORCH_DTYPES),
     run=run,

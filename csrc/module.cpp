@@ -73,6 +73,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "fastmesh::matmul_reduce_scatter with the given schedule (split \"rows\", \"columns\" or \"none\").", arg("a"),
       arg("b"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("pieces"), arg("split"), gil);
   m.def(
+      "matmul_all_reduce",
+      [](const at::Tensor& a, const at::Tensor& b, const std::string& reduce_op, const std::string& group_name,
+         int64_t pieces, const std::string& split) {
+        return fastmesh::fused::matmul_all_reduce(a, b, reduce_op, group_name, pieces, split);
+      },
+      "fastmesh::matmul_all_reduce with the given schedule (split \"rows\" or \"none\").", arg("a"), arg("b"),
+      arg("reduce_op"), arg("group_name"), arg("pieces"), arg("split"), gil);
+  m.def(
       "all_gather_scaled_matmul",
       [](const at::Tensor& a_shard, const at::Tensor& a_scale, const std::vector<at::Tensor>& bs,
          const std::vector<at::Tensor>& b_scales, int64_t gather_dim, const std::string& group_name,
@@ -93,6 +101,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "fastmesh::scaled_matmul_reduce_scatter with the given schedule.", arg("a"), arg("a_scale"), arg("b"),
       arg("b_scale"), arg("scatter_dim"), arg("reduce_op"), arg("group_name"), arg("out_dtype"), arg("pieces"),
+      arg("split"), gil);
+  m.def(
+      "scaled_matmul_all_reduce",
+      [](const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
+         const std::string& reduce_op, const std::string& group_name, at::ScalarType out_dtype, int64_t pieces,
+         const std::string& split) {
+        return fastmesh::fused::scaled_matmul_all_reduce(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype,
+                                                         pieces, split);
+      },
+      "fastmesh::scaled_matmul_all_reduce with the given schedule (split \"rows\" or \"none\").", arg("a"),
+      arg("a_scale"), arg("b"), arg("b_scale"), arg("reduce_op"), arg("group_name"), arg("out_dtype"), arg("pieces"),
       arg("split"), gil);
   m.def(
       "check_same_shape_on_all_ranks",

@@ -296,7 +296,8 @@ def _describe_call(named: dict) -> str:
     if "bs" in named:
         ns = ",".join(str(b.shape[1]) for b in named["bs"])
         return f"a_shard {list(named['a_shard'].shape)} gather_dim {named['gather_dim']} -> N {ns}"
-    return f"a {list(named['a'].shape)} @ b {list(named['b'].shape)} scatter_dim {named['scatter_dim']}"
+    where = f" scatter_dim {named['scatter_dim']}" if "scatter_dim" in named else " all-reduced"
+    return f"a {list(named['a'].shape)} @ b {list(named['b'].shape)}{where}"
 
 
 def _rank_main(threads: int, request: Request) -> list[Row] | None:
@@ -361,6 +362,9 @@ def _run_case(spec: Spec, request: Request, mesh, fp8) -> None:
             k = spec.shape[-1] * (world if last else 1)  # gathering the last dim gathers the contraction
             bs = [torch.randn(k, n, device=device, dtype=dtype) for n in spec.ns]
             fastmesh.all_gather_matmul(a, bs, spec.dim, group=group, fp8=fp8)
+        elif spec.op == "matmul_all_reduce":
+            b = torch.randn(spec.shape[-1], spec.ns[0], device=device, dtype=dtype)
+            fastmesh.matmul_all_reduce(a, b, group=group, fp8=fp8)
         else:
             b = torch.randn(spec.shape[-1], spec.ns[0], device=device, dtype=dtype)
             fastmesh.matmul_reduce_scatter(a, b, spec.dim, group=group, fp8=fp8)

@@ -21,6 +21,7 @@ TINY_CASES = [
     "fused_collectives=rs:2x64x32:1:64",
     "fused_collectives=ag:2x32x128:1:16,8:2",
     "fused_collectives=ag:64x64:-1:16",
+    "fused_collectives=ar:2x32x48:40",
     "sweep=rs:64x32:0:64",
     "tp_block=2x64x256x256",
 ]
@@ -99,10 +100,13 @@ def test_runner_every_family_on_tiny_sizes(tmp_path):
     assert {r["dtype"] for r in rows["fp8_quantize"]["rows"]} == {"float32"}
     assert len(rows["fp8_quantize"]["rows"]) == 5  # 4 granularities + the given scale
     fused = rows["fused_collectives"]["rows"]
-    # float32: 4 cases; float8: each case row-wise and tensor-wise, but for the gather of the last dim (noted);
+    # float32: 5 cases; float8: each case row-wise and tensor-wise, but for the gather of the last dim (noted);
     # row-wise only where torch's CPU _scaled_mm takes it
     granularities = {"rowwise", "tensorwise"} if fused_collectives.rowwise_scaled_mm_on_cpu() else {"tensorwise"}
-    assert len(fused) == 4 + len(granularities) * 3
+    assert len(fused) == 5 + len(granularities) * 4
+    assert len([r["plan"] for r in fused if r["params"]["op"] == "matmul_all_reduce" and r["plan"]]) == 1 + len(
+        granularities
+    )
     assert {r["params"]["granularity"] for r in fused if r["dtype"] == "float8"} == granularities
     block = {r["dtype"]: r for r in rows["tp_block"]["rows"]}
     assert {"native", "native_c", "native_c+pass", "fastmesh_c"} <= set(block["float32"]["figures"])

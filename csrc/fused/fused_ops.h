@@ -27,6 +27,10 @@ at::Tensor matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64
                                  c10::string_view reduce_op, c10::string_view group_name, int64_t pieces,
                                  c10::string_view split);
 
+// The all-reduce of a @ b over the group; split "rows" (pieces of the product's rows) or "none".
+at::Tensor matmul_all_reduce(const at::Tensor& a, const at::Tensor& b, c10::string_view reduce_op,
+                             c10::string_view group_name, int64_t pieces, c10::string_view split);
+
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_scaled_matmul(
     const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales,
     int64_t gather_dim, c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t pieces,
@@ -36,6 +40,11 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
                                         const at::Tensor& b_scale, int64_t scatter_dim, c10::string_view reduce_op,
                                         c10::string_view group_name, at::ScalarType out_dtype, int64_t pieces,
                                         c10::string_view split);
+
+// The FP8 form of matmul_all_reduce: scaled multiplies into out_dtype, the product reduced in out_dtype.
+at::Tensor scaled_matmul_all_reduce(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                                    const at::Tensor& b_scale, c10::string_view reduce_op, c10::string_view group_name,
+                                    at::ScalarType out_dtype, int64_t pieces, c10::string_view split);
 
 }  // namespace fused
 }  // namespace fastmesh

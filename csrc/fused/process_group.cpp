@@ -44,6 +44,14 @@ Work start_reduce_scatter_sum(const Group& group, at::Tensor& output, at::Tensor
 }
 #pragma GCC diagnostic pop
 
+Work start_all_reduce_sum(const Group& group, at::Tensor& tensor) {
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  options.asyncOp = true;
+  std::vector<at::Tensor> tensors{tensor};
+  return group->allreduce(tensors, options);
+}
+
 bool point_to_point(const Group& group, const at::Device& device) {
   return group->getBackend(device.type())->getBackendName() == "gloo";
 }

@@ -24,6 +24,9 @@ Work start_all_gather(const Group& group, at::Tensor& output, at::Tensor& input)
 // Asynchronous sum reduce-scatter of `input` (`world` blocks of output's shape, rank-major) into `output`.
 Work start_reduce_scatter_sum(const Group& group, at::Tensor& output, at::Tensor& input);
 
+// Asynchronous sum all-reduce of `tensor` (contiguous) in place.
+Work start_all_reduce_sum(const Group& group, at::Tensor& tensor);
+
 // How the pieces of a fused op travel for tensors on `device`: point-to-point where the group's backend for
 // that device is gloo (its send/recv is faster than its collectives, and takes less of the CPU the multiplies
 // need: docs/design/fused-collectives.md), collectives elsewhere (NCCL's are bandwidth-optimal).

@@ -4,6 +4,7 @@
   with autograd), by ``group_name``; the fused ops' backward uses them where no matmul is left to fuse.
 * :func:`traced_all_gather`, :func:`traced_reduce_scatter`: the ``_c10d_functional`` ops themselves, no autograd:
   what inductor schedules (and fastmesh's compile pass matches) in a traced graph.
+* :func:`traced_all_reduce`: the same for a sum / avg all-reduce.
 * :func:`all_reduce`: a functional all-reduce, waited for.
 * :data:`all_gather_into`, :data:`reduce_scatter_into`: c10d calls into preallocated buffers, by ProcessGroup.
 """
@@ -58,6 +59,12 @@ def traced_reduce_scatter(t: torch.Tensor, scatter_dim: int, group_name: str, re
     stacked = t if dim == 0 else torch.cat(t.chunk(world, dim), 0)  # rank j's block at rows j
     out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(stacked.contiguous(), "sum", world, group_name))
     return out / world if reduce_op == "avg" else out
+
+
+def traced_all_reduce(t: torch.Tensor, group_name: str, reduce_op: str = "sum") -> torch.Tensor:
+    """``t`` summed (``"avg"``: averaged) over the group as ``_c10d_functional`` ops (not differentiable)."""
+    out = _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "sum", group_name))
+    return out / _world(group_name) if reduce_op == "avg" else out
 
 
 def all_reduce(t: torch.Tensor, op: str, group_name: str) -> torch.Tensor:

@@ -8,6 +8,7 @@ all_gather_matmul           a_shard ``Shard(gather_dim)``;           a: ``Replic
                             ``Shard(1)`` (column-sharded)            ``Shard(-1)`` for a ``Shard(1)`` b
 matmul_reduce_scatter       a ``Shard(-1)`` (contraction sharded);   ``Shard(scatter_dim)``
                             b plain (local rows) or ``Shard(0)``
+matmul_all_reduce           a ``Shard(-1)``; b plain or ``Shard(0)``  ``Replicate()``
 ==========================  ======================================  ===================================
 
 ``to_local`` / ``from_local`` are differentiable, so gradients flow back to the DTensor inputs.
@@ -112,8 +113,9 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
     return a_full, out_dtensors
 
 
-def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, pieces, fp8):
-    op = "fastmesh.matmul_reduce_scatter"
+def _contraction_sharded(a, b, group, op: str):
+    """(mesh, b's local tensor) of a matmul whose contraction is sharded: a ``Shard(-1)``, b plain or
+    ``Shard(0)``."""
     if not is_dtensor(a):
         raise TypeError(f"{op}: b is a DTensor, so a must be a DTensor placed Shard(-1) too, got a {type(a).__name__}")
     mesh = _mesh_of(a, op, "a")
@@ -124,7 +126,21 @@ def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, pieces, fp
             f"row-parallel layer's input), got {a.placements[0]!r}"
         )
     b_local, _ = _local_b(b, mesh, op, "b", (Shard(0),), "Shard(0) (rows matching a's shards)")
+    return mesh, b_local
+
+
+def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, pieces, fp8):
+    op = "fastmesh.matmul_reduce_scatter"
+    mesh, b_local = _contraction_sharded(a, b, group, op)
     out = front(a.to_local(), b_local, scatter_dim, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
     dim = wrap_dim(scatter_dim, a.dim(), op, "scatter_dim", "a")
     n = b.shape[1] if is_dtensor(b) else b_local.shape[1]
     return _wrap(out, mesh, Shard(dim), list(a.shape[:-1]) + [n])
+
+
+def matmul_all_reduce(front, a, b, group, reduce_op, pieces, fp8):
+    op = "fastmesh.matmul_all_reduce"
+    mesh, b_local = _contraction_sharded(a, b, group, op)
+    out = front(a.to_local(), b_local, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
+    n = b.shape[1] if is_dtensor(b) else b_local.shape[1]
+    return _wrap(out, mesh, Replicate(), list(a.shape[:-1]) + [n])

@@ -52,6 +52,13 @@ def check_reduce_op(reduce_op, op: str) -> None:
         raise ValueError(f'{op}: reduce_op must be "sum" or "avg", got "{reduce_op}"')
 
 
+def check_like(t: torch.Tensor, reference: torch.Tensor, op: str, arg: str, reference_arg: str) -> None:
+    if t.dtype != reference.dtype:
+        raise TypeError(f"{op}: {arg} must have {reference_arg}'s dtype {reference.dtype}, got {t.dtype}")
+    if t.device != reference.device:
+        raise ValueError(f"{op}: {arg} must be on {reference_arg}'s device {reference.device}, got {t.device}")
+
+
 def check_scattered_divisible(a_shape, n: int, dim: int, scatter_dim: int, world: int, op: str) -> None:
     scattered = n if dim == len(a_shape) - 1 else a_shape[dim]
     if scattered % world != 0:

@@ -35,6 +35,10 @@ _SIGNATURES = {
     "int pieces=0) -> (Tensor?, Tensor[])",
     "matmul_reduce_scatter": "(Tensor a, Tensor b, int scatter_dim, str reduce_op, str group_name, int pieces=0) "
     "-> Tensor",
+    # fastmesh/ops/matmul_all_reduce.py: all_reduce(a @ b), pieces of the product's rows.
+    "matmul_all_reduce": "(Tensor a, Tensor b, str reduce_op, str group_name, int pieces=0) -> Tensor",
+    "scaled_matmul_all_reduce": "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, str reduce_op, str group_name, "
+    "ScalarType out_dtype, int pieces=0) -> Tensor",
     # Their FP8 forms (fastmesh/ops/fused_collectives_fp8.py): FP8 data with tensor-wise or row-wise scales.
     "all_gather_scaled_matmul": "(Tensor a_shard, Tensor a_scale, Tensor[] bs, Tensor[] b_scales, int gather_dim, "
     "str group_name, ScalarType out_dtype, bool return_a=False, int pieces=0) -> (Tensor?, Tensor?, Tensor[])",

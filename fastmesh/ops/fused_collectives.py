@@ -42,6 +42,7 @@ from fastmesh.ops._checks import MATMUL_DTYPES, check_tensor, wrap_dim
 from fastmesh.ops._collectives import all_gather
 from fastmesh.ops._fused_common import (
     as_matrix,
+    check_like,
     check_pieces,
     check_reduce_op,
     check_scattered_divisible,
@@ -66,13 +67,6 @@ _RS = "fastmesh::matmul_reduce_scatter"
 # ---- checks (the wording of csrc/fused/checks.h) ----
 
 
-def _check_like(t: torch.Tensor, reference: torch.Tensor, op: str, arg: str, reference_arg: str) -> None:
-    if t.dtype != reference.dtype:
-        raise TypeError(f"{op}: {arg} must have {reference_arg}'s dtype {reference.dtype}, got {t.dtype}")
-    if t.device != reference.device:
-        raise ValueError(f"{op}: {arg} must be on {reference_arg}'s device {reference.device}, got {t.device}")
-
-
 def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, pieces) -> int:
     """Checks every argument; returns gather_dim made non-negative."""
     check_tensor(a_shard, _AG, "a_shard", MATMUL_DTYPES, min_dim=1)
@@ -86,7 +80,7 @@ def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, pieces) -> int
     k_full = a_shard.shape[-1] * world if contraction else a_shard.shape[-1]
     for i, b in enumerate(bs):
         check_tensor(b, _AG, f"bs[{i}]", MATMUL_DTYPES, min_dim=2, max_dim=2)
-        _check_like(b, a_shard, _AG, f"bs[{i}]", "a_shard")
+        check_like(b, a_shard, _AG, f"bs[{i}]", "a_shard")
         if b.shape[0] != k_full:
             where = f"the gathered a: a_shard's last dim times the group size {world}" if contraction else "a_shard"
             raise ValueError(
@@ -99,7 +93,7 @@ def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, piece
     """Checks every argument; returns scatter_dim made non-negative."""
     check_tensor(a, _RS, "a", MATMUL_DTYPES, min_dim=1)
     check_tensor(b, _RS, "b", MATMUL_DTYPES, min_dim=2, max_dim=2)
-    _check_like(b, a, _RS, "b", "a")
+    check_like(b, a, _RS, "b", "a")
     if b.shape[0] != a.shape[-1]:
         raise ValueError(f"{_RS}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
     dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")

@@ -224,6 +224,39 @@ def scatter_call(
     return Call(op, group_name, backend_of(group, a.device), a.device, fields, shape, tuple(candidates))
 
 
+def all_reduce_call(
+    op: str, group, group_name: str, a: torch.Tensor, n: int, out_dtype: torch.dtype, extra: tuple = ()
+) -> Call:
+    """The Call of a matmul + all-reduce of ``a @ b`` (``b`` of ``n`` columns; the product in ``out_dtype``):
+    pieces of the product's rows (one piece is the unfused plan)."""
+    world = group.size()
+    rows = math.prod(a.shape[:-1])
+    candidates = [Plan("rows", p) for p in plan_model.pieces_up_to(rows) if p > 1] + [UNFUSED]
+    shape = plan_model.Shape(
+        "all_reduce",
+        world,
+        rows,
+        a.shape[-1],
+        (n,),
+        1,
+        False,
+        out_dtype.itemsize,
+        a.element_size(),
+        _dtype_name(a.dtype),
+        threads(a.device),
+        a.device.type,
+    )
+    fields = (
+        ("a", list(a.shape)),
+        ("n", n),
+        ("dtype", str(a.dtype)),
+        *((("out_dtype", str(out_dtype)),) if out_dtype != a.dtype else ()),
+        ("world", world),
+        ("threads", shape.threads),
+    ) + extra
+    return Call(op, group_name, backend_of(group, a.device), a.device, fields, shape, tuple(candidates))
+
+
 # ---- the decision ----
 
 _lock = threading.Lock()

@@ -5,7 +5,7 @@ functional collectives let inductor wait for a transfer only where its result is
 the native TP plan). Inductor's decomposition table gets one entry per fused op: while AOTAutograd traces the
 graph (forward and backward), a call with static shapes whose plan is ``unfused`` (asked as the compile pass
 asks: this rank's cached plan, else the model, no collective; ``fastmesh/ops/plans.py``) becomes the
-functional all-gather / reduce-scatter and the matmuls; any other call stays the op, which plans it at run
+functional all-gather / reduce-scatter / all-reduce and the matmuls; any other call stays the op, which plans it at run
 time. The entries are registered the first time a fused op is traced (its fake impl), so that importing
 fastmesh does not import inductor.
 """
@@ -17,7 +17,7 @@ import logging
 import torch
 
 from fastmesh.ops import plans
-from fastmesh.ops._collectives import traced_all_gather, traced_reduce_scatter
+from fastmesh.ops._collectives import traced_all_gather, traced_all_reduce, traced_reduce_scatter
 
 logger = logging.getLogger("fastmesh.plans")
 _registered = None  # None: not tried yet
@@ -31,6 +31,7 @@ def register_once() -> bool:
     ops = (
         (torch.ops.fastmesh.all_gather_matmul.default, _all_gather_matmul),
         (torch.ops.fastmesh.matmul_reduce_scatter.default, _matmul_reduce_scatter),
+        (torch.ops.fastmesh.matmul_all_reduce.default, _matmul_all_reduce),
     )
     try:
         from torch._inductor import decomposition as inductor_decompositions
@@ -88,3 +89,17 @@ def _matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, pieces=0):
     ):
         return NotImplemented
     return traced_reduce_scatter(a @ b, dim, group_name, reduce_op)
+
+
+def _matmul_all_reduce(a, b, reduce_op, group_name, pieces=0):
+    from fastmesh.ops.matmul_all_reduce import plan_call
+
+    if (
+        pieces
+        or a.numel() == 0
+        or b.numel() == 0
+        or not plans.has_static_shape(a, b)
+        or plans.unfused_offline(plan_call(a, b, group_name)) is None
+    ):
+        return NotImplemented
+    return traced_all_reduce(a @ b, group_name, reduce_op)

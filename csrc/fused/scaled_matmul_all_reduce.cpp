@@ -1,0 +1,57 @@
+// fastmesh::scaled_matmul_all_reduce: the FP8 form of matmul_all_reduce. The multiplies are scaled matmuls of
+// FP8 operands into `out_dtype`; the product travels and is reduced in `out_dtype` (summing FP8-rounded partial
+// products would add an error per rank).
+#include <ATen/ops/zeros.h>
+
+#include <vector>
+
+#include "all_reduce_pipeline.h"
+#include "checks.h"
+#include "fused_ops.h"
+#include "scaled.h"
+
+namespace fastmesh {
+namespace fused {
+namespace {
+
+constexpr const char* kOp = "fastmesh::scaled_matmul_all_reduce";
+
+}  // namespace
+
+at::Tensor scaled_matmul_all_reduce(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                                    const at::Tensor& b_scale, c10::string_view reduce_op, c10::string_view group_name,
+                                    at::ScalarType out_dtype, int64_t pieces, c10::string_view split) {
+  check_tensor(a, kOp, "a", kFp8Dtypes, 1);
+  check_tensor(b, kOp, "b", kFp8Dtypes, 2, 2);
+  TORCH_CHECK_VALUE(b.device() == a.device(), kOp, ": b must be on a's device ", a.device(), ", got ", b.device());
+  TORCH_CHECK_VALUE(b.size(0) == a.size(-1), kOp, ": b must have ", a.size(-1), " rows (a's last dim), got shape ",
+                    b.sizes());
+  std::vector<int64_t> a_rowwise(a.sizes().begin(), a.sizes().end());
+  a_rowwise.back() = 1;
+  const bool a_rowwise_scale = check_scale(a_scale, a, a_rowwise, kOp, "a_scale", "a");
+  const bool b_rowwise_scale = check_scale(b_scale, b, {1, b.size(1)}, kOp, "b_scale", "b");
+  check_scales_supported(a_rowwise_scale || b_rowwise_scale, a.device(), kOp);
+  check_reduce_op(reduce_op, kOp);
+  check_out_dtype(out_dtype, kOp);
+  check_pieces(pieces, kOp);
+  const pipeline::Split schedule = check_all_reduce_split(split, kOp);
+  const Group group = resolve_group(group_name, kOp);
+
+  std::vector<int64_t> out_sizes(a.sizes().begin(), a.sizes().end());
+  out_sizes.back() = b.size(1);
+  const at::Tensor a_rows = rows_view(a.contiguous());
+  const at::Tensor a_scale_rows = a_rowwise_scale ? a_scale.contiguous().view({-1, 1}) : a_scale;
+  if (group->getSize() == 1) {
+    if (a_rows.numel() == 0 || b.numel() == 0) return at::zeros(out_sizes, a.options().dtype(out_dtype));
+    return scaled_mm(a_rows, a_scale_rows, b, b_scale, out_dtype).view(out_sizes);
+  }
+  return all_reduce_product(
+      group, out_sizes, a.options().dtype(out_dtype), a.size(-1), reduce_op, scaled_pieces(pieces, a.device()),
+      schedule, kOp, [&](at::Tensor slice, int64_t first_row, int64_t rows) {
+        const at::Tensor scale = a_rowwise_scale ? a_scale_rows.narrow(0, first_row, rows) : a_scale_rows;
+        scaled_mm(a_rows.narrow(0, first_row, rows), scale, b, b_scale, out_dtype, &slice);
+      });
+}
+
+}  // namespace fused
+}  // namespace fastmesh

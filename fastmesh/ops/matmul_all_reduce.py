@@ -1,0 +1,248 @@
+"""Fused matmul + all-reduce: ``fastmesh::matmul_all_reduce``, the all-reduce of one piece of the product's rows
+overlapped with the multiply of the next (the row-parallel linear of TP without sequence parallelism).
+
+Plain-PyTorch equivalent (``W`` the size of the group named by ``group_name``)::
+
+    c = a @ b
+    dist.all_reduce(c, group)            # "avg": then c / W
+    result = c                           # the same on every rank
+
+Shapes (``...`` any leading dims; every rank passes the same product shape)::
+
+    a [..., K]   (K: this rank's part of the contraction)   b [K, N]   result [..., N]
+
+Autograd (``G`` the gradient of the replicated result, the same on every rank; ``/ W`` for avg)::
+
+    grad a = G @ b.T                                   # no communication
+    grad b = a.flatten(0, -2).T @ G.flatten(0, -2)
+
+FP8 form ``fastmesh::scaled_matmul_all_reduce(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype)``:
+``all_reduce((deq(a, a_scale) @ deq(b, b_scale)).to(out_dtype))`` with the scale layouts of
+``fused_collectives_fp8.py``; the front's ``fp8=`` quantizes (current scaling), its backward runs in the input
+dtype. Plans (``docs/plans.md``): pieces of the product's rows, each all-reduced while the next is multiplied, or
+``unfused``. Errors: TypeError / ValueError naming the argument, before any transfer, as ``csrc/fused/checks.h``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fastmesh import _cpp_lib
+from fastmesh.mesh import group_name as _group_name_of
+from fastmesh.ops import _dtensor, plans, traced_unfused
+from fastmesh.ops._checks import FP8_DTYPES, MATMUL_DTYPES, check_tensor
+from fastmesh.ops._fused_common import (
+    as_matrix,
+    check_like,
+    check_pieces,
+    check_reduce_op,
+    group_size,
+    resolve_group,
+    resolve_pieces,
+)
+from fastmesh.ops._library import library, qualified_name
+from fastmesh.ops.fused_collectives_fp8 import (  # the FP8 forms' shared checks and quantization
+    _check_out_dtype,
+    _check_scale,
+    _granularity,
+    _quantize_columns,
+    _quantize_rows,
+    check_config,
+)
+
+if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
+    from fastmesh.fp8.config import Float8Config
+
+_OP = "fastmesh::matmul_all_reduce"
+_SOP = "fastmesh::scaled_matmul_all_reduce"
+
+
+def _check_matmul_all_reduce(a, b, reduce_op, pieces) -> None:
+    check_tensor(a, _OP, "a", MATMUL_DTYPES, min_dim=1)
+    check_tensor(b, _OP, "b", MATMUL_DTYPES, min_dim=2, max_dim=2)
+    check_like(b, a, _OP, "b", "a")
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{_OP}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
+    check_reduce_op(reduce_op, _OP)
+    check_pieces(pieces, _OP)
+
+
+def _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces) -> None:
+    check_tensor(a, _SOP, "a", FP8_DTYPES, min_dim=1)
+    check_tensor(b, _SOP, "b", FP8_DTYPES, min_dim=2, max_dim=2, device=a.device, device_of="a")
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{_SOP}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
+    _check_scale(a_scale, a, list(a.shape[:-1]) + [1], _SOP, "a_scale", "a")
+    _check_scale(b_scale, b, [1, b.shape[1]], _SOP, "b_scale", "b")
+    check_reduce_op(reduce_op, _SOP)
+    _check_out_dtype(out_dtype, _SOP)
+    check_pieces(pieces, _SOP)
+
+
+def _product_shape(a, b) -> list:
+    return list(a.shape[:-1]) + [b.shape[1]]
+
+
+@torch.library.register_fake(qualified_name("matmul_all_reduce"))
+def _matmul_all_reduce_fake(a, b, reduce_op, group_name, pieces=0):
+    traced_unfused.register_once()  # being traced: inductor may trace an unfused plan as its collective
+    group_size(group_name, _OP)
+    _check_matmul_all_reduce(a, b, reduce_op, pieces)
+    return a.new_empty(_product_shape(a, b))
+
+
+@torch.library.register_fake(qualified_name("scaled_matmul_all_reduce"))
+def _scaled_matmul_all_reduce_fake(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, pieces=0):
+    group_size(group_name, _SOP)
+    _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces)
+    return a.new_empty(_product_shape(a, b), dtype=out_dtype)
+
+
+def plan_call(a, b, group_name: str) -> plans.Call:
+    """The planner's view of a matmul_all_reduce call (also asked under compile, on fake tensors)."""
+    return plans.all_reduce_call(_OP, resolve_group(group_name, _OP), group_name, a, b.shape[1], a.dtype)
+
+
+def scaled_plan_call(a, a_scale, b, b_scale, group_name: str, out_dtype) -> plans.Call:
+    """The planner's view of a scaled_matmul_all_reduce call."""
+    scales = (("scales", f"{_granularity(a_scale)},{_granularity(b_scale)}"),)
+    return plans.all_reduce_call(_SOP, resolve_group(group_name, _SOP), group_name, a, b.shape[1], out_dtype, scales)
+
+
+def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
+    world = group_size(group_name, _OP)
+    _check_matmul_all_reduce(a, b, reduce_op, pieces)
+    ext = _cpp_lib.load()
+
+    def run(plan: plans.Plan):
+        return ext.matmul_all_reduce(a, b, reduce_op, group_name, plan.pieces, plan.split)
+
+    if world == 1 or a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
+    # Before the ranks agree on a plan: ranks whose calls differ must fail here, all of them, not in the planner.
+    ext.check_same_shape_on_all_ranks(a.new_empty(()).expand(_product_shape(a, b)), group_name, _OP, "a @ b")
+    return run(plans.decide(plan_call(a, b, group_name), pieces, run).plan)
+
+
+def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, pieces=0):
+    world = group_size(group_name, _SOP)
+    _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces)
+    ext = _cpp_lib.load()
+
+    def run(plan: plans.Plan):
+        return ext.scaled_matmul_all_reduce(
+            a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, plan.pieces, plan.split
+        )
+
+    if world == 1 or a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
+    product = a.new_empty((), dtype=out_dtype).expand(_product_shape(a, b))  # checked before the plan
+    ext.check_same_shape_on_all_ranks(product, group_name, _SOP, "a @ b")
+    return run(plans.decide(scaled_plan_call(a, a_scale, b, b_scale, group_name, out_dtype), pieces, run).plan)
+
+
+for _device in ("CPU", "CUDA"):
+    library.impl("matmul_all_reduce", _matmul_all_reduce_kernel, _device)
+    library.impl("scaled_matmul_all_reduce", _scaled_matmul_all_reduce_kernel, _device)
+
+
+def _setup(ctx, inputs, output):
+    a, b, reduce_op, group_name, *_ = inputs  # pieces, when not defaulted (torch 2.11 leaves defaults out)
+    ctx.avg = reduce_op == "avg"
+    ctx.group_name = group_name
+    ctx.save_for_backward(a if b.requires_grad else None, b if a.requires_grad else None)
+
+
+def _local_grads(ctx, grad_out, need_a: bool, need_b: bool):
+    """(grad a, grad b): the result is replicated, so its gradient is too, and each rank's operands get theirs
+    locally."""
+    a, b = ctx.saved_tensors
+    if ctx.avg:
+        grad_out = grad_out / group_size(ctx.group_name, _OP)
+    grad_a = grad_out @ b.t() if need_a else None
+    grad_b = as_matrix(a).t() @ as_matrix(grad_out) if need_b else None
+    return grad_a, grad_b
+
+
+def _backward(ctx, grad_out):
+    grads = _local_grads(ctx, grad_out, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    return grads + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+torch.library.register_autograd(qualified_name("matmul_all_reduce"), _backward, setup_context=_setup)
+
+
+class _Float8MatmulAllReduce(torch.autograd.Function):
+    """The front's ``fp8=`` path: a quantized per row (or tensor-wise), b per column; backward as the
+    high-precision op's (local, in the input dtype: no transfer to shrink)."""
+
+    @staticmethod
+    def forward(ctx, config, group_name, reduce_op, pieces, a, b):
+        a_data, a_scale = _quantize_rows(a, config.dtype, config)
+        b_data, b_scale = _quantize_columns(b, config.dtype, config)
+        ctx.avg, ctx.group_name = reduce_op == "avg", group_name
+        ctx.save_for_backward(a, b)
+        return torch.ops.fastmesh.scaled_matmul_all_reduce(
+            a_data, a_scale, b_data, b_scale, reduce_op, group_name, a.dtype, pieces
+        )
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return None, None, None, None, *_local_grads(ctx, grad_out, *ctx.needs_input_grad[4:6])
+
+
+def matmul_all_reduce(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    group=None,
+    reduce_op: str = "sum",
+    pieces: int | None = None,
+    fp8: Float8Config | None = None,
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """Multiply ``a @ b`` and all-reduce the product over the group, overlapped.
+
+    Equivalent to (see the module docstring for shapes and autograd)::
+
+        c = a @ b
+        dist.all_reduce(c, group=group)          # reduce_op "avg": c / W afterwards
+        return c
+
+    Args:
+        a: this rank's ``[..., K]`` operand (a row-parallel layer's input, its contraction dim sharded),
+            float32 / bfloat16 / float16 / float64. A ``DTensor`` on a 1-D mesh placed ``Shard(-1)`` (with
+            ``b`` plain or ``Shard(0)``) gives a ``Replicate()`` DTensor result.
+        b: ``[K, N]``, a's dtype and device: this rank's rows of the weight.
+        group: ``ProcessGroup``, 1-D ``DeviceMesh``, ``(mesh, axis_name)``, group name, or ``None`` for the
+            default group.
+        reduce_op: ``"sum"`` or ``"avg"``.
+        pieces: pipeline pieces of the product's rows (``None``: the call's plan, ``docs/plans.md``; 1: one
+            multiply, then one all-reduce).
+        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to multiply in FP8
+            (the product is reduced in a's dtype; the backward runs in a's dtype).
+        chunks: deprecated alias of ``pieces`` (warns).
+
+    Returns:
+        ``[..., N]``: the reduced product, the same on every rank.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> y = fastmesh.matmul_all_reduce(h_shard, w2_t_shard, group=mesh["tp"])   # [B, S, D] on every rank
+    """
+    pieces = resolve_pieces(pieces, chunks, "fastmesh.matmul_all_reduce")
+    if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
+        return _dtensor.matmul_all_reduce(matmul_all_reduce, a, b, group, reduce_op, pieces, fp8)
+    name = _group_name_of(group)
+    pieces = 0 if pieces is None else pieces
+    if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
+        group_size(name, _OP)
+        _check_matmul_all_reduce(a, b, reduce_op, pieces)
+    _cpp_lib.require()
+    if fp8 is not None:
+        config = check_config(fp8, "fastmesh.matmul_all_reduce")
+        return _Float8MatmulAllReduce.apply(config, name, reduce_op, pieces, a, b)
+    return torch.ops.fastmesh.matmul_all_reduce(a, b, reduce_op, name, pieces)
