@@ -23,9 +23,15 @@ from log_capture import captured_log
 from rank_pool import on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from fastmesh.fp8 import Float8Config
 from fastmesh.parallel import FusedColwiseParallel, FusedRowwiseParallel
@@ -99,12 +105,14 @@ def test_llama_block_matches_native_plan_and_unsharded(world_size):
         grad_out = _randn((batch, seq_len, args.dim), seed=2)
         rope = rope_tables(seq_len, args.head_dim, args.rope_theta)
         want_y, want_dx, want_grads = _run_block(unsharded, x, rope, grad_out)
-        for plan in ("fastmesh", "native"):
+        for plan in ("fastmesh", "native", "fastmesh-plain", "native-plain"):
+            # The sequence-parallel plans take and give sequence shards, the plain ones the whole sequence.
+            part = (lambda t: t) if plan.endswith("plain") else (lambda t: _shard(t, 1))
             block = parallelize_module(copy.deepcopy(unsharded), mesh, block_plan(plan))
-            y, dx, grads = _run_block(block, _shard(x, 1), rope, _shard(grad_out, 1))
+            y, dx, grads = _run_block(block, part(x), rope, part(grad_out))
             case = f"{plan} plan, batch {batch}, sequence {seq_len}, {args}"
-            torch.testing.assert_close(y, _shard(want_y, 1), **TOLERANCE, msg=lambda m: f"{case}: output: {m}")
-            torch.testing.assert_close(dx, _shard(want_dx, 1), **TOLERANCE, msg=lambda m: f"{case}: grad x: {m}")
+            torch.testing.assert_close(y, part(want_y), **TOLERANCE, msg=lambda m: f"{case}: output: {m}")
+            torch.testing.assert_close(dx, part(want_dx), **TOLERANCE, msg=lambda m: f"{case}: grad x: {m}")
             assert grads.keys() == want_grads.keys()
             for name, grad in grads.items():
                 torch.testing.assert_close(
@@ -148,19 +156,28 @@ def test_linear_pair_small_integers_bit_exact(world_size):
         xr = x.clone().requires_grad_()
         (unsharded(xr) * grad_out).sum().backward()
 
-        styles = {
-            "up": FusedColwiseParallel(input_layouts=Shard(seq_dim)),
-            "down": FusedRowwiseParallel(output_layouts=Shard(seq_dim)),
-        }
-        pair = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
-        xs = _shard(x, seq_dim).requires_grad_()
-        y = pair(xs)
-        (y * _shard(grad_out, seq_dim)).sum().backward()
-        case = f"{dtype}, sequence dim {seq_dim}"
-        assert torch.equal(y, _shard(unsharded(x), seq_dim)), case
-        assert torch.equal(xs.grad, _shard(xr.grad, seq_dim)), case
-        for name, grad in _full_grads(pair).items():
-            assert torch.equal(grad, dict(unsharded.named_parameters())[name].grad), f"{case}: grad {name}"
+        for sequence_parallel in (True, False):
+            if sequence_parallel:
+                styles = {
+                    "up": FusedColwiseParallel(input_layouts=Shard(seq_dim)),
+                    "down": FusedRowwiseParallel(output_layouts=Shard(seq_dim)),
+                }
+                part = lambda t: _shard(t, seq_dim)  # noqa: E731
+            else:  # plain TP: the activations replicated, the all-reduces fused (backward colwise, forward rowwise)
+                styles = {
+                    "up": FusedColwiseParallel(input_layouts=Replicate()),
+                    "down": FusedRowwiseParallel(output_layouts=Replicate()),
+                }
+                part = lambda t: t  # noqa: E731
+            pair = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
+            xs = part(x).clone().requires_grad_()
+            y = pair(xs)
+            (y * part(grad_out)).sum().backward()
+            case = f"{dtype}, sequence dim {seq_dim}, sequence_parallel={sequence_parallel}"
+            assert torch.equal(y, part(unsharded(x))), case
+            assert torch.equal(xs.grad, part(xr.grad)), case
+            for name, grad in _full_grads(pair).items():
+                assert torch.equal(grad, dict(unsharded.named_parameters())[name].grad), f"{case}: grad {name}"
 
 
 # ---- single linears: layouts, DTensor in and out ----
@@ -194,6 +211,179 @@ def test_colwise_input_layouts_and_dtensor_outputs():
                 assert out.placements == (Shard(2),), (label, out.placements)
                 out = out.to_local()
             torch.testing.assert_close(out, _shard(want, -1), rtol=1e-12, atol=1e-12, msg=label)
+
+
+# ---- replicated layouts: plain TP and the LM head, against torch's styles ----
+
+
+def _replicated_forms():
+    """(label, fastmesh's style, torch's style, how the input is given: "sequence" / "replicated" / "features")."""
+    return (
+        (
+            "LM head, sequence-parallel",
+            lambda **kw: FusedColwiseParallel(output_layouts=Replicate(), **kw),
+            lambda **kw: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), **kw),
+            "sequence",
+        ),
+        (
+            "LM head, plain TP",
+            lambda **kw: FusedColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), **kw),
+            lambda **kw: ColwiseParallel(output_layouts=Replicate(), **kw),
+            "replicated",
+        ),
+        (
+            "colwise, plain TP",
+            lambda **kw: FusedColwiseParallel(input_layouts=Replicate(), **kw),
+            lambda **kw: ColwiseParallel(**kw),
+            "replicated",
+        ),
+        (
+            "rowwise, plain TP",
+            lambda **kw: FusedRowwiseParallel(output_layouts=Replicate(), **kw),
+            lambda **kw: RowwiseParallel(**kw),
+            "features",
+        ),
+    )
+
+
+def _count_phases(fn) -> tuple[dict, dict]:
+    """(collectives per phase as the native names, the ops as issued) of ``fn``'s forward and backward."""
+    mode = CommDebugMode()
+    mode.comm_registry.update(_FUSED_AS)
+    with mode:
+        fn()
+    issued = {phase: dict(mode.comm_module_counts["Global"][phase]) for phase in ("forward", "backward")}
+    named = {phase: {} for phase in issued}
+    for phase, ops in issued.items():
+        for op, n in ops.items():
+            named[phase][_op_name(op)] = named[phase].get(_op_name(op), 0) + n
+    return named, issued
+
+
+@on_ranks(2, 4)
+def test_replicated_layouts_match_torchs_styles(world_size):
+    """Each replicated-layout form on a biased linear (odd sizes, float64), against torch's style for it: the
+    same output (local or DTensor, same placement), input and parameter gradients, parameter placements and
+    local shapes, and the same collectives forward and backward; the plain-TP forms' all-reduce runs fused."""
+    mesh = _tp_mesh()
+    in_features, out_features = 3 * world_size, 5 * world_size
+    x = _randn((2, 2 * world_size, in_features), seed=11, dtype=torch.float64)
+    for (label, fused_style, native_style, given), use_local_output in itertools.product(
+        _replicated_forms(), (True, False)
+    ):
+        torch.manual_seed(0)
+        unsharded = nn.Linear(in_features, out_features, dtype=torch.float64)
+        given_x = {"sequence": _shard(x, 1), "replicated": x.clone(), "features": _shard(x, -1)}[given]
+        runs = {}
+        for plan, style in (("native", native_style), ("fastmesh", fused_style)):
+            linear = parallelize_module(copy.deepcopy(unsharded), mesh, style(use_local_output=use_local_output))
+            xs = given_x.clone().requires_grad_()
+            out = {}
+
+            def step():
+                y = linear(xs)
+                out["y"] = y
+                local = y.to_local() if isinstance(y, DTensor) else y
+                # The same on every rank: a replicated output's gradient is replicated.
+                (local * _randn(local.shape, seed=12, dtype=torch.float64)).sum().backward()
+
+            named, issued = _count_phases(step)
+            params = {n: (p.placements, p.to_local().shape, _full(p.grad)) for n, p in linear.named_parameters()}
+            runs[plan] = (out["y"], xs.grad, params, named, issued)
+        (y, dx, params, named, issued), (want_y, want_dx, want_params, want_named, _) = runs["fastmesh"], runs["native"]
+        case = f"{label}, use_local_output={use_local_output}"
+        assert isinstance(y, DTensor) == isinstance(want_y, DTensor) == (not use_local_output), case
+        if not use_local_output:
+            assert y.placements == want_y.placements, (case, y.placements, want_y.placements)
+            y, want_y = y.to_local(), want_y.to_local()
+        torch.testing.assert_close(y, want_y, rtol=1e-12, atol=1e-12, msg=lambda m: f"{case}: output: {m}")
+        torch.testing.assert_close(dx, want_dx, rtol=1e-12, atol=1e-12, msg=lambda m: f"{case}: grad x: {m}")
+        for name, (placements, shape, grad) in want_params.items():
+            assert params[name][:2] == (placements, shape), (case, name, params[name][:2], placements, shape)
+            torch.testing.assert_close(params[name][2], grad, rtol=1e-12, atol=1e-12, msg=f"{case}: grad {name}")
+        assert named == want_named, (case, named, want_named)
+        if given != "sequence":  # the all-reduce (forward rowwise, backward colwise) ran inside the matmul
+            phase = "forward" if given == "features" else "backward"
+            assert issued[phase].get(torch.ops.fastmesh.matmul_all_reduce) == 1, (case, issued)
+
+
+@on_ranks(2)
+def test_sibling_linears_with_replicated_input_share_one_all_reduce(world_size):
+    """Plain TP, ``linears=`` with ``input_layouts=Replicate()``: the linears multiply locally and their input
+    gradients are summed over the ranks by one fused all-reduce (torch's ColwiseParallel on each linear
+    issues one each); values and gradients equal torch's; a replicated use of the input in the parent's forward
+    gets its gradient too."""
+    mesh = _tp_mesh()
+    torch.manual_seed(0)
+    unsharded = _QK()
+    x = _randn((2, 6, 8), seed=6, dtype=torch.float64)
+    gq = _randn((2, 6, 4 // world_size), seed=8, dtype=torch.float64)
+    gk = _randn((2, 6, 4 // world_size), seed=9, dtype=torch.float64)
+    runs = {}
+    for plan in ("native", "fastmesh"):
+        if plan == "native":
+            styles = {"wq": ColwiseParallel(), "wk": ColwiseParallel()}
+        else:
+            styles = FusedColwiseParallel(linears=("wq", "wk"), input_layouts=Replicate())
+        qk = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
+        xs = x.clone().requires_grad_()
+
+        def step():
+            q, k, s = qk(xs)
+            ((q * gq).sum() + (k * gk).sum() + _full(s)).backward()
+
+        named, issued = _count_phases(step)
+        runs[plan] = (xs.grad, {n: _full(p.grad) for n, p in qk.named_parameters()}, named, issued)
+    dx, grads, named, issued = runs["fastmesh"]
+    want_dx, want_grads, want_named, _ = runs["native"]
+    torch.testing.assert_close(dx, want_dx, rtol=1e-12, atol=1e-12)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert want_named["backward"].get("all_reduce") == 2, want_named
+    assert issued["backward"] == {torch.ops.fastmesh.matmul_all_reduce: 1}, issued
+    assert named["forward"] == want_named["forward"] == {}, (named, want_named)
+
+
+@on_ranks(2)
+def test_sibling_linears_dtensor_outputs_match_torchs_plan():
+    """``linears=`` with ``use_local_output=False``: q and k leave as ``Shard(-1)`` DTensors (attention code that
+    keeps the global head count), as after torch's PrepareModuleInput + ColwiseParallel(use_local_output=False);
+    the same values, gradients and collectives."""
+    mesh = _tp_mesh()
+    torch.manual_seed(0)
+    unsharded = _QK()
+    x = _randn((2, 6, 8), seed=6, dtype=torch.float64)
+    runs = {}
+    for plan in ("native", "fastmesh"):
+        if plan == "native":
+            styles = {
+                "": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+                "wq": ColwiseParallel(use_local_output=False),
+                "wk": ColwiseParallel(use_local_output=False),
+            }
+        else:
+            styles = FusedColwiseParallel(linears=("wq", "wk"), use_local_output=False)
+        qk = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
+        xs = _shard(x, 1).requires_grad_()
+        out = {}
+
+        def step():
+            q, k, _ = qk(xs)
+            out["placements"] = (q.placements, k.placements)
+            out["values"] = (q.full_tensor(), k.full_tensor())
+            # A DTensor use of the outputs, as attention with global heads makes of them.
+            (q * k).sum().full_tensor().backward()
+
+        named, _ = _count_phases(step)
+        runs[plan] = (out, xs.grad, {n: _full(p.grad) for n, p in qk.named_parameters()}, named)
+    (out, dx, grads, named), (want_out, want_dx, want_grads, want_named) = runs["fastmesh"], runs["native"]
+    assert out["placements"] == want_out["placements"] == ((Shard(2),), (Shard(2),)), (out, want_out)
+    for got, want in zip(out["values"], want_out["values"]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, want_dx, rtol=1e-12, atol=1e-12)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert named == want_named, (named, want_named)
 
 
 @pytest.mark.smoke
@@ -294,6 +484,7 @@ def test_sibling_linears_share_one_gather_and_other_uses_stay_correct():
 _FUSED_AS = {
     torch.ops.fastmesh.all_gather_matmul: "all_gather_into_tensor",
     torch.ops.fastmesh.matmul_reduce_scatter: "reduce_scatter_tensor",
+    torch.ops.fastmesh.matmul_all_reduce: "all_reduce",
 }
 
 
@@ -324,6 +515,17 @@ def test_block_issues_exactly_the_native_plans_collectives():
         }
     assert counts["fastmesh"] == counts["native"], counts
     assert counts["native"]["forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, counts
+
+    # Plain TP: the same 2 all-reduces forward (wo, w2); backward, torch's plan all-reduces each colwise
+    # linear's input gradient (q, k, v, w1, w3), fastmesh's one per parent.
+    plain = {}
+    for plan in ("native-plain", "fastmesh-plain"):
+        block = parallelize_module(copy.deepcopy(unsharded), mesh, block_plan(plan))
+        x = _randn((2, 8, args.dim), seed=1).requires_grad_()
+        plain[plan], issued = _count_phases(lambda: block(x, rope).sum().backward())
+    assert plain["native-plain"] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 5}}, plain
+    assert plain["fastmesh-plain"] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}, plain
+    assert issued["backward"] == {torch.ops.fastmesh.matmul_all_reduce: 2}, issued
 
 
 # ---- FP8 ----
@@ -434,6 +636,59 @@ def test_compiled_block_matches_eager_in_one_graph():
         assert counter.frame_count == frames_after_first, (case, counter.frame_count, frames_after_first)
 
 
+class _PlainHead(nn.Module):
+    """An MLP then an LM head (a bias-free linear) over a vocabulary of 24."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.head = nn.Linear(16, 24, bias=False)
+
+    def forward(self, x):
+        return self.head(self.down(F.gelu(self.up(x))))
+
+
+@on_ranks(2, timeout=300)
+def test_compiled_replicated_layouts_match_eager():
+    """fullgraph compile (aot_eager and inductor) of the plain TP forms and the LM head, both plans: one graph
+    with no break, the outputs and gradients of eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mesh = _tp_mesh()
+    torch.manual_seed(0)
+    unsharded = _PlainHead()
+    for sequence_parallel in (False, True):
+        layout = Shard(1) if sequence_parallel else Replicate()
+        styles = {
+            "up": FusedColwiseParallel(input_layouts=layout),
+            "down": FusedRowwiseParallel(output_layouts=layout),
+            "head": FusedColwiseParallel(input_layouts=layout, output_layouts=Replicate()),
+        }
+        model = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
+        x = _randn((2, 8, 16), seed=1)
+        x = _shard(x, 1) if sequence_parallel else x
+
+        def step(fn):
+            x_ = x.clone().requires_grad_()
+            y = fn(x_)
+            y.sum().backward()
+            grads = {"output": y.detach(), "x": x_.grad, **_full_grads(model)}
+            model.zero_grad()
+            return grads
+
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            counter = CompileCounterWithBackend(backend)
+            want, got = step(model), step(torch.compile(model, fullgraph=True, backend=counter))
+            case = f"sequence_parallel={sequence_parallel}, {backend}"
+            tolerance = dict(rtol=0, atol=0) if backend == "aot_eager" else TOLERANCE
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], **tolerance, msg=lambda m: f"{case}: {name}: {m}")
+            assert counter.frame_count == 1, (case, counter.frame_count)
+            assert not torch._dynamo.utils.counters["graph_break"], case
+
+
 @on_ranks(2)
 def test_compiled_bf16_sibling_linears_match_eager():
     """inductor, bf16: the siblings' backward concatenates their weights for one reduce-scatter. Built from
@@ -515,12 +770,24 @@ def test_bad_plans_raise_clear_errors():
         ValueError, "must be given a 1-D device mesh", lambda: FusedColwiseParallel()._apply(nn.Linear(8, 8), mesh_2d)
     )
     _raises(
-        ValueError, "output_layouts must be Shard\\(-1\\)", lambda: FusedColwiseParallel(output_layouts=Replicate())
+        ValueError,
+        "FusedColwiseParallel: output_layouts must be Shard\\(-1\\) \\(column-sharded\\) or Replicate\\(\\)",
+        lambda: FusedColwiseParallel(output_layouts=Shard(0)),
     )
     _raises(
         ValueError,
-        "output_layouts must be Shard\\(sequence_dim\\)",
-        lambda: FusedRowwiseParallel(output_layouts=Replicate()),
+        "FusedColwiseParallel: input_layouts must be Shard\\(sequence_dim\\) or Replicate\\(\\), got Partial",
+        lambda: FusedColwiseParallel(input_layouts=Partial()),
+    )
+    _raises(
+        ValueError,
+        "FusedRowwiseParallel: output_layouts must be Shard\\(sequence_dim\\) or Replicate\\(\\), got Partial",
+        lambda: FusedRowwiseParallel(output_layouts=Partial()),
+    )
+    _raises(
+        ValueError,
+        "FusedRowwiseParallel: fp8 needs output_layouts=Shard\\(sequence_dim\\)",
+        lambda: FusedRowwiseParallel(output_layouts=Replicate(), fp8=Float8Config()),
     )
     _raises(
         ValueError,
@@ -566,6 +833,12 @@ def test_bad_plans_raise_clear_errors():
         ValueError,
         "must be placed Shard\\(-1\\)",
         lambda: rowwise(DTensor.from_local(torch.randn(2, 4, 8), mesh, [Replicate()])),
+    )
+    plain_rowwise = apply(nn.Linear(8, 8), FusedRowwiseParallel(output_layouts=Replicate()))
+    _raises(
+        ValueError,
+        "must be placed Shard\\(-1\\)",
+        lambda: plain_rowwise(DTensor.from_local(torch.randn(2, 4, 8), mesh, [Replicate()])),
     )
     # Every rank raised before any collective: the group still works.
     t = torch.ones(1)

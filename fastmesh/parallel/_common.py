@@ -139,10 +139,8 @@ def is_dtensor_input(x, mesh: DeviceMesh, style: str) -> bool:
 def local_input(x, mesh: DeviceMesh, layout: Placement, style: str) -> tuple[torch.Tensor | DTensor, Placement]:
     """The input as the style will use it, and its placement: a DTensor's own placement wins over
     ``input_layouts`` (which only annotates plain tensors, as in torch's styles). A sharded input comes back
-    as its local shard; a replicated one as a DTensor (the matmul then runs as torch's ColwiseParallel)."""
+    as its local shard; a replicated one as it is (a plain tensor, or a ``Replicate()`` DTensor)."""
     if not is_dtensor_input(x, mesh, style):
-        if isinstance(layout, Replicate):
-            return DTensor.from_local(x, mesh, [layout], run_check=False), layout
         return x, layout
     placement = x.placements[0]
     if isinstance(placement, Replicate):

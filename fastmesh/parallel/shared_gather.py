@@ -7,7 +7,9 @@ Who owns what:
 * The parent's wrapped forward runs one fused gather + matmuls (``all_gather_matmul`` with every listed
   linear's weight), then the parent's own forward with the gathered input, a ``Replicate()`` DTensor. The
   linears' outputs ride on that DTensor (attribute ``_fastmesh_sibling_outputs``: name -> output) and nowhere
-  else.
+  else. A replicated plain-tensor input (``input_layouts=Replicate()``) has nothing to gather: the linears
+  multiply locally and their input gradients share one fused all-reduce; a ``Replicate()`` DTensor input is
+  passed on as it is, and each linear runs as torch's ``ColwiseParallel``.
 * A listed linear called with that DTensor returns its output from it. In eager, an alias of it (same data
   pointer, shape, stride, dtype and placement: what a module with backward hooks receives) counts as it.
 
@@ -34,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from fastmesh._log import log_once
-from fastmesh.parallel._common import check_fp8_input, check_linear
+from fastmesh.parallel._common import check_linear
 
 logger = logging.getLogger("fastmesh.parallel")
 
@@ -94,12 +96,16 @@ class SharedGather:
                 "first positional argument"
             )
         x, placement = self.style._prepare_input_fn(args[0], self.mesh)
-        if isinstance(placement, Replicate):
-            check_fp8_input(self.style.fp8, placement, _COLWISE, "a replicated one")
+        if isinstance(x, DTensor):  # a Replicate() DTensor: each linear runs as torch's ColwiseParallel
             return (x, *args[1:]), kwargs
-        a, outs = self.style._gather_matmul(self.mesh, self.named_linears, x, placement, return_a=True)
-        a = _CountReplicatedGradOnce.apply(a, self.keeps_replicated_grad)
-        gathered = DTensor.from_local(a, self.mesh, [Replicate()], run_check=False)
+        if isinstance(placement, Replicate):
+            # Nothing to gather: the linears multiply locally, and their input gradients share one all-reduce.
+            outs = self.style._replicated_matmul(self.mesh, self.named_linears, x)
+            gathered = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        else:
+            a, outs = self.style._gather_matmul(self.mesh, self.named_linears, x, placement, return_a=True)
+            a = _CountReplicatedGradOnce.apply(a, self.keeps_replicated_grad)
+            gathered = DTensor.from_local(a, self.mesh, [Replicate()], run_check=False)
         setattr(gathered, _SIBLING_OUTPUTS, {name: out for (name, _), out in zip(self.named_linears, outs)})
         if not torch.compiler.is_compiling():
             self.eager_gathered = gathered

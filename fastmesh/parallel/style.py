@@ -1,22 +1,29 @@
-"""Fused tensor-parallel styles for ``parallelize_module``: the TP collectives of a sequence-parallel block run
-inside the matmuls (``fastmesh.all_gather_matmul`` / ``fastmesh.matmul_reduce_scatter``), moving exactly the
-data of torch's native plan, one collective for one, forward and backward.
+"""Fused tensor-parallel styles for ``parallelize_module``: the TP collectives run inside the matmuls
+(``fastmesh.all_gather_matmul`` / ``matmul_reduce_scatter`` / ``matmul_all_reduce``), moving exactly the data of
+torch's native plan, one collective for one (or fewer: sibling linears share one), forward and backward.
 
 Shapes per rank (``tp`` the TP degree, ``S`` the sequence length, ``D`` the input features, ``N`` a
-colwise linear's ``out_features``; the sequence dim is 1 by default, any dim but the last may be)::
+linear's ``out_features``; the sequence dim is 1 by default, any dim but the last may be)::
 
-    style                  input                    weight (local)       output
-    FusedColwiseParallel   [B, S/tp, D]  Shard(1)   [N/tp, D]  Shard(0)  [B, S, N/tp]  Shard(-1)
-    FusedRowwiseParallel   [B, S, D/tp]  Shard(-1)  [N, D/tp]  Shard(1)  [B, S/tp, N]  Shard(1)
+    style (layouts)                     input                     weight (local)       output
+    FusedColwiseParallel()              [B, S/tp, D]  Shard(1)    [N/tp, D]  Shard(0)  [B, S, N/tp]  Shard(-1)
+      input_layouts=Replicate()         [B, S, D]     Replicate                        [B, S, N/tp]  Shard(-1)
+      output_layouts=Replicate()        either of those                                [B, S, N]     Replicate
+    FusedRowwiseParallel()              [B, S, D/tp]  Shard(-1)   [N, D/tp]  Shard(1)  [B, S/tp, N]  Shard(1)
+      output_layouts=Replicate()        [B, S, D/tp]  Shard(-1)                        [B, S, N]     Replicate
 
 Plain-PyTorch equivalents (``x_shard`` this rank's sequence shard; weights and biases this rank's shards)::
 
     x = torch.cat(all_gather(x_shard), dim=1); y_i = x @ w_i.T + b_i   # colwise (linears=: one gather)
+    y = torch.cat(all_gather(y_i), dim=-1)                             #   output_layouts=Replicate()
     y_shard = reduce_scatter(h_shard @ w.T, dim=1) + b                  # rowwise
+    y = all_reduce(h_shard @ w.T) + b                                  #   output_layouts=Replicate()
 
-Autograd: each fused op's backward is the other, so a colwise linear's backward issues one reduce-scatter and
-a rowwise linear's one all-gather. Parameters are DTensors placed as torch's ``ColwiseParallel`` /
-``RowwiseParallel`` place them: state dicts, DCP and FSDP2 see what they see under the native plan.
+Autograd: all_gather_matmul and matmul_reduce_scatter are each other's backward. A replicated plain-tensor
+input's gradient is summed over the ranks in backward by one ``matmul_all_reduce`` for all the linears (torch's
+ColwiseParallel all-reduces it after its matmul); a rowwise replicated output's backward needs no collective.
+Parameters are DTensors placed as torch's ``ColwiseParallel`` / ``RowwiseParallel`` place them: state dicts,
+DCP and FSDP2 see what they see under the native plan.
 
 Errors: a bad keyword raises ``TypeError`` / ``ValueError`` naming the style when it is built, a module it
 cannot serve when it is applied, an input it cannot take at the forward; all before any collective.
@@ -37,7 +44,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from fastmesh.mesh import group_name
-from fastmesh.ops import all_gather_matmul, matmul_reduce_scatter
+from fastmesh.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from fastmesh.parallel._common import (
     as_output,
     check_fp8,
@@ -76,12 +83,17 @@ class FusedColwiseParallel(ParallelStyle):
     Keyword Args:
         input_layouts (Placement, optional):
             The DTensor layout of a plain-tensor input: ``Shard(sequence_dim)`` (default ``Shard(1)``), whose
-            gather is fused, or ``Replicate()``, which needs no collective: the linears then run as torch's
-            ``ColwiseParallel``. A DTensor input's own placement (one of those two) is used instead.
+            gather is fused, or ``Replicate()`` (plain TP): the matmuls are local and the input's gradient,
+            summed over the ranks, is fused into its matmul in backward (one all-reduce for all ``linears``).
+            A DTensor input's own placement (one of those two) is used instead; a ``Replicate()`` DTensor runs
+            as torch's ``ColwiseParallel`` (its gradient is reduced where it was made replicated).
         output_layouts (Placement, optional):
-            The DTensor layout of the outputs: ``Shard(-1)``, the only one (default).
+            The DTensor layout of the outputs: ``Shard(-1)`` (default), or ``Replicate()``: the columns
+            gathered after the matmul (an LM head's logits), as torch's ``ColwiseParallel`` gathers them.
         use_local_output (bool, optional):
             Whether the outputs are local :class:`torch.Tensor`\\ s rather than DTensors, default: True.
+            ``False`` with ``linears`` gives ``Shard(-1)`` DTensors, for attention code that keeps the global
+            head count.
         linears (Sequence[str], optional):
             Names of the parent's ``nn.Linear`` submodules that share the gather; ``None`` (default) when the
             style is applied to a linear itself.
@@ -106,6 +118,8 @@ class FusedColwiseParallel(ParallelStyle):
         >>> tp_mesh = fastmesh.init_mesh(tp=2)
         >>> # attention's input arrives as local sequence shards [B, S/2, D]; q, k and v leave [B, S, H/2]
         >>> parallelize_module(block, tp_mesh, {"attention": FusedColwiseParallel(linears=("wq", "wk", "wv"))})
+        >>> # an LM head: sequence-sharded input, the logits gathered over the vocabulary
+        >>> parallelize_module(model, tp_mesh, {"output": FusedColwiseParallel(output_layouts=Replicate())})
     """
 
     def __init__(
@@ -121,12 +135,12 @@ class FusedColwiseParallel(ParallelStyle):
     ):
         super().__init__()
         self.input_layouts = (check_sequence_placement(input_layouts or Shard(1), _COLWISE, "input_layouts", True),)
-        if output_layouts is not None and output_layouts != Shard(-1):
+        if output_layouts is not None and output_layouts != Shard(-1) and not isinstance(output_layouts, Replicate):
             raise ValueError(
-                f"{_COLWISE}: output_layouts must be Shard(-1) (column-sharded), got {output_layouts!r}; "
-                "for a replicated output use torch's ColwiseParallel(output_layouts=Replicate())"
+                f"{_COLWISE}: output_layouts must be Shard(-1) (column-sharded) or Replicate() (the columns "
+                f"gathered, e.g. an LM head's logits), got {output_layouts!r}"
             )
-        self.output_layouts = (Shard(-1),)
+        self.output_layouts = (output_layouts or Shard(-1),)
         self.use_local_output = use_local_output
         self.linears = check_linear_names(linears, _COLWISE)
         self.fp8 = check_fp8(fp8, _COLWISE)
@@ -138,7 +152,14 @@ class FusedColwiseParallel(ParallelStyle):
         return local_input(x, mesh, self.input_layouts[0], _COLWISE)
 
     def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh):
-        return as_output(out, mesh, Shard(out.dim() - 1), self.use_local_output)
+        """This rank's columns, local or a ``Shard(-1)`` DTensor; or, for ``output_layouts=Replicate()``, every
+        column, gathered as torch's ColwiseParallel gathers them (a DTensor redistribution, whose backward
+        keeps this rank's columns of the gradient: no communication)."""
+        columns = Shard(out.dim() - 1)
+        if isinstance(self.output_layouts[0], Replicate):
+            full = DTensor.from_local(out, mesh, [columns], run_check=False).redistribute(mesh, [Replicate()])
+            return full.to_local() if self.use_local_output else full
+        return as_output(out, mesh, columns, self.use_local_output)
 
     def _partition_linear_fn(self, linear: nn.Linear, mesh: DeviceMesh) -> None:
         shard_parameters(linear, mesh, Shard(0), Shard(0), self.src_data_rank)
@@ -162,18 +183,37 @@ class FusedColwiseParallel(ParallelStyle):
             results.append(self._prepare_output_fn(out if bias is None else out + bias, mesh))
         return a, results
 
-    def _replicated_matmul(self, linear: nn.Linear, x: DTensor):
-        """A replicated input: nothing to gather, so the matmul runs as torch's ColwiseParallel runs it (DTensor
-        gives the input's gradient its all-reduce)."""
+    def _replicated_matmul(self, mesh: DeviceMesh, named_linears, x: torch.Tensor) -> list:
+        """A replicated plain-tensor input (``input_layouts=Replicate()``): nothing to gather, each rank
+        multiplies its columns locally. The input's gradient, summed over the ranks as torch's ColwiseParallel
+        sums it (one all-reduce for all the linears), is fused into its matmul."""
+        check_fp8_input(self.fp8, Replicate(), _COLWISE, "a replicated one")
+        weights = [local_parameter(linear, "weight", _COLWISE, name) for name, linear in named_linears]
+        outs = _ReplicatedInputMatmul.apply(x, group_name(mesh), self.pieces, *weights)
+        results = []
+        for (name, linear), out in zip(named_linears, outs):
+            bias = local_parameter(linear, "bias", _COLWISE, name)
+            results.append(self._prepare_output_fn(out if bias is None else out + bias, mesh))
+        return results
+
+    def _replicated_dtensor_matmul(self, linear: nn.Linear, x: DTensor):
+        """A ``Replicate()`` DTensor input: the matmul runs as torch's ColwiseParallel runs it. Its gradient stays
+        a Partial DTensor, reduced where the input was made replicated (after ``PrepareModuleInput``, a
+        reduce-scatter), so it is not all-reduced here."""
         check_fp8_input(self.fp8, x.placements[0], _COLWISE, "a replicated one")
         out = F.linear(x, linear.weight, linear.bias)
+        if isinstance(self.output_layouts[0], Replicate):
+            out = out.redistribute(x.device_mesh, [Replicate()])
         return out.to_local() if self.use_local_output else out
 
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh, what: str):
         """The forward of a linear under this style (``what`` names it in errors)."""
         x, placement = self._prepare_input_fn(x, mesh)
+        if isinstance(x, DTensor):
+            return self._replicated_dtensor_matmul(linear, x)
         if isinstance(placement, Replicate):
-            return self._replicated_matmul(linear, x)
+            (out,) = self._replicated_matmul(mesh, [(what, linear)], x)
+            return out
         _, (out,) = self._gather_matmul(mesh, [(what, linear)], x, placement, return_a=False)
         return out
 
@@ -207,23 +247,23 @@ class FusedColwiseParallel(ParallelStyle):
 
 
 class FusedRowwiseParallel(ParallelStyle):
-    """Partition an ``nn.Linear`` row-wise and fuse the reduce-scatter of its output into the matmul: the input
-    is column-sharded (a colwise linear's output), the output leaves sequence-sharded. The bias is added once,
-    after the reduction.
+    """Partition an ``nn.Linear`` row-wise and fuse the reduction of its output into the matmul: the input is
+    column-sharded (a colwise linear's output); the output leaves sequence-sharded (a reduce-scatter) or, in plain
+    TP, replicated (an all-reduce). The bias is added once, after the reduction.
 
     Keyword Args:
         input_layouts (Placement, optional):
             The DTensor layout of a plain-tensor input: ``Shard(-1)``, the only one (default). A DTensor input
             must be placed so too.
         output_layouts (Placement, optional):
-            The DTensor layout of the output: ``Shard(sequence_dim)``, default ``Shard(1)``; any dim but the
-            last, whose length must divide by the TP degree. For a replicated output use torch's
-            ``RowwiseParallel()``: its all-reduce has no reduce-scatter to fuse.
+            The DTensor layout of the output: ``Shard(sequence_dim)``, default ``Shard(1)`` (any dim but the
+            last, whose length must divide by the TP degree), or ``Replicate()`` (plain TP, torch's
+            ``RowwiseParallel()``): ``fastmesh.matmul_all_reduce``, whose backward needs no collective.
         use_local_output (bool, optional):
             Whether the output is a local :class:`torch.Tensor` rather than a DTensor, default: True.
         fp8 (Float8Config, optional):
             Run the matmul in FP8 (as for :class:`FusedColwiseParallel`); the product is reduced in the input
-            dtype.
+            dtype. Needs a sequence-sharded output.
         pieces (int, optional):
             The fused op's pipeline pieces of rows per rank (default: the op's plan per call).
         chunks (int, optional):
@@ -239,6 +279,8 @@ class FusedRowwiseParallel(ParallelStyle):
         >>> tp_mesh = fastmesh.init_mesh(tp=2)
         >>> # wo's input [B, S, D/2] (heads sharded) -> output [B, S/2, D] (sequence-sharded)
         >>> parallelize_module(block, tp_mesh, {"attention.wo": FusedRowwiseParallel()})
+        >>> # plain TP (no sequence parallelism): the output all-reduced, replicated
+        >>> parallelize_module(block, tp_mesh, {"attention.wo": FusedRowwiseParallel(output_layouts=Replicate())})
     """
 
     def __init__(
@@ -257,9 +299,14 @@ class FusedRowwiseParallel(ParallelStyle):
                 f"{_ROWWISE}: input_layouts must be Shard(-1) (the features sharded), got {input_layouts!r}"
             )
         self.input_layouts = (Shard(-1),)
-        self.output_layouts = (check_sequence_placement(output_layouts or Shard(1), _ROWWISE, "output_layouts", False),)
+        self.output_layouts = (check_sequence_placement(output_layouts or Shard(1), _ROWWISE, "output_layouts", True),)
         self.use_local_output = use_local_output
         self.fp8 = check_fp8(fp8, _ROWWISE)
+        if self.fp8 is not None and isinstance(self.output_layouts[0], Replicate):
+            raise ValueError(
+                f"{_ROWWISE}: fp8 needs output_layouts=Shard(sequence_dim) (the fused reduce-scatter); "
+                "with output_layouts=Replicate() the matmul and all-reduce run in high precision, drop fp8"
+            )
         self.pieces = pipeline_pieces(pieces, chunks, _ROWWISE)
 
     def _prepare_input_fn(self, x, mesh: DeviceMesh) -> torch.Tensor:
@@ -274,7 +321,7 @@ class FusedRowwiseParallel(ParallelStyle):
             )
         return x.to_local()
 
-    def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh, placement: Shard, bias):
+    def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh, placement: Placement, bias):
         """The reduced shard plus the bias, local or a DTensor. The bias is replicated and each rank adds it to
         its own rows, as a DTensor op: its gradient (a sum over rows that differ per rank) is then a Partial
         DTensor, reduced where it is used (the optimizer step), as for the norm weights under torch's
@@ -290,6 +337,10 @@ class FusedRowwiseParallel(ParallelStyle):
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh):
         """The forward of a linear under this style."""
         x = self._prepare_input_fn(x, mesh)
+        weight = local_parameter(linear, "weight", _ROWWISE, "the module")
+        if isinstance(self.output_layouts[0], Replicate):
+            out = matmul_all_reduce(x, weight.t(), group=group_name(mesh), pieces=self.pieces)
+            return self._prepare_output_fn(out, mesh, Replicate(), linear.bias)
         dim = sequence_dim(self.output_layouts[0], x, _ROWWISE, "output_layouts")
         tp = mesh.size()
         if x.shape[dim] % tp:
@@ -297,7 +348,6 @@ class FusedRowwiseParallel(ParallelStyle):
                 f"{_ROWWISE}: the sequence length {x.shape[dim]} (dim {dim} of the input, "
                 f"shape {tuple(x.shape)}) must be divisible by the TP degree {tp}"
             )
-        weight = local_parameter(linear, "weight", _ROWWISE, "the module")
         out = matmul_reduce_scatter(x, weight.t(), dim, group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
         return self._prepare_output_fn(out, mesh, Shard(dim), linear.bias)
 
@@ -317,3 +367,31 @@ class FusedRowwiseParallel(ParallelStyle):
             f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
             f"use_local_output={self.use_local_output}, fp8={self.fp8}, pieces={self.pieces})"
         )
+
+
+class _ReplicatedInputMatmul(torch.autograd.Function):
+    """``outs_i = x @ w_i.T`` for a replicated ``x [..., K]`` and this rank's rows ``w_i [N_i/tp, K]``: local,
+    no communication. Backward: ``grad_x = all_reduce(sum_i grad_i @ w_i)``, one ``matmul_all_reduce`` over the
+    concatenated gradients and weights, so the all-reduce overlaps its matmul; the weights' gradients are
+    local (``grad_i^T x``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str, pieces: int | None, *weights: torch.Tensor):
+        ctx.group, ctx.pieces = group, pieces
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad = grads[0] if len(grads) == 1 else torch.cat(grads, dim=-1)
+            weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
+            grad_x = matmul_all_reduce(grad, weight, group=ctx.group, pieces=ctx.pieces)
+        x_rows = x.reshape(-1, x.shape[-1])
+        grad_ws = [
+            g.reshape(-1, g.shape[-1]).t() @ x_rows if needed else None
+            for g, needed in zip(grads, ctx.needs_input_grad[3:])
+        ]
+        return (grad_x, None, None, *grad_ws)

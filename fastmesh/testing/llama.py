@@ -20,6 +20,11 @@ feed_forward.w1/w3 ColwiseParallel()                           (the parent's sty
 feed_forward.w2    RowwiseParallel(output_layouts=Shard(1))    FusedRowwiseParallel()
 =================  ==========================================  ==============================================
 
+The plain TP plans (``block_plan("native-plain" | "fastmesh-plain")``, no sequence parallelism: block input
+``[B, S, D]`` replicated) drop the norms' and PrepareModuleInput's styles; torch's has ``ColwiseParallel()`` /
+``RowwiseParallel()`` on each linear, fastmesh's ``FusedColwiseParallel(linears=..., input_layouts=Replicate())``
+on ``attention`` and ``feed_forward`` and ``FusedRowwiseParallel(output_layouts=Replicate())`` on ``wo``, ``w2``.
+
 The whole model adds the token embedding (``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``
 in both plans), the final norm (``SequenceParallel``) and the output head, column-parallel with vocab-sharded
 logits (a DTensor ``Shard(-1)``, for ``loss_parallel``): ``ColwiseParallel(input_layouts=Shard(1))`` natively,
@@ -181,15 +186,45 @@ def fused_block_plan(fp8=None, pieces: int | None = None) -> dict:
     }
 
 
+def native_plain_block_plan() -> dict:
+    """torch's plain TP plan (no sequence parallelism): block input and output replicated ``[B, S, D]``."""
+    return {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def fused_plain_block_plan(pieces: int | None = None) -> dict:
+    """fastmesh's plain TP plan: local colwise matmuls whose input gradients share one fused all-reduce per
+    parent, rowwise matmul + all-reduce."""
+    return {
+        "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), input_layouts=Replicate(), pieces=pieces),
+        "attention.wo": FusedRowwiseParallel(output_layouts=Replicate(), pieces=pieces),
+        "feed_forward": FusedColwiseParallel(linears=("w1", "w3"), input_layouts=Replicate(), pieces=pieces),
+        "feed_forward.w2": FusedRowwiseParallel(output_layouts=Replicate(), pieces=pieces),
+    }
+
+
 def block_plan(plan: str, fp8=None, pieces: int | None = None) -> dict:
-    """``"native"`` or ``"fastmesh"`` (``fp8`` and ``pieces`` apply to fastmesh's plan)."""
-    if plan == "native":
+    """``"native"`` or ``"fastmesh"`` (sequence-parallel), ``"native-plain"`` or ``"fastmesh-plain"`` (plain TP:
+    the block's input and output replicated). ``fp8`` and ``pieces`` apply to fastmesh's plans (``fp8`` to the
+    sequence-parallel one only)."""
+    if plan in ("native", "native-plain"):
         if fp8 is not None:
             raise ValueError("the native plan has no fp8 option here; use plan='fastmesh'")
-        return native_block_plan()
+        return native_block_plan() if plan == "native" else native_plain_block_plan()
     if plan == "fastmesh":
         return fused_block_plan(fp8, pieces)
-    raise ValueError(f"plan must be 'native' or 'fastmesh', got {plan!r}")
+    if plan == "fastmesh-plain":
+        if fp8 is not None:
+            raise ValueError("fp8 needs sequence parallelism; use plan='fastmesh'")
+        return fused_plain_block_plan(pieces)
+    raise ValueError(f"plan must be 'native', 'fastmesh', 'native-plain' or 'fastmesh-plain', got {plan!r}")
 
 
 def parallelize_llama(model: Llama, tp_mesh: DeviceMesh, plan: str, fp8=None, pieces: int | None = None) -> Llama:
