@@ -4,8 +4,13 @@
   expected fastmesh ops and no native all-gather / reduce-scatter (q/k/v in one call with three ``bs``), and
   give the outputs and gradients of the same compile without the pass; with activation checkpointing, with
   a dynamic sequence length (one graph, no recompile).
+* torch's own test Transformer under its sequence-parallel and its plain TP plan: every matmul collective but
+  the LM head's output gather fused (biases added after the reduction), loss and gradients equal eager.
+* A biased RowwiseParallel (Shard(0), Shard(1), Replicate() output): DTensor's partial bias moved after the
+  fused reduce-scatter / all-reduce, outputs and gradients equal eager, in strict mode.
 * Each supported pattern alone (gather dims 0 / 1 / last, addmm, several matmuls plus another use of the
-  gathered tensor; scatter dims 0 / 1 / last, sum and avg, a sum of matmuls) in strict mode, against eager.
+  gathered tensor; scatter dims 0 / 1 / last, sum and avg, a sum of matmuls; all-reduces; partial biases as
+  mm + bias and as _scaled_mm's bias) in strict mode, against eager.
 * Patterns it must leave: the report and the warning give the reason; ``strict=True`` fails the compile
   naming the collective.
 * torch's ``_micro_pipeline_tp`` enabled too; the pass installer's bookkeeping.
@@ -200,6 +205,156 @@ def test_whole_native_llama_compiles_to_fused_ops_except_the_embedding():
     assert all("matmul" in e.detail for e in report.unfused), str(report)
 
 
+# ---- biased row-parallel linears (DTensor makes the bias partial) ----
+
+
+@on_ranks(2, 3, timeout=600)
+def test_biased_rowwise_parallel_fuses_with_the_bias_added_after():
+    # RowwiseParallel with a bias: DTensor adds bias / W on every rank before the reduce-scatter or all-reduce
+    # (its Replicate -> Partial form), and the pass adds the bias once after the fused op.
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    gather_scatter = [("forward", "fastmesh.matmul_reduce_scatter"), ("backward", "fastmesh.all_gather_matmul")]
+    cases = {  # output layout -> the local input of one rank, the fused ops by graph
+        Shard(0): (_randn((6, 12 // world), seed=dist.get_rank()), gather_scatter),
+        Shard(1): (_randn((2, 3 * world, 12 // world), seed=dist.get_rank()), gather_scatter),
+        # Plain TP: an all-reduce in the forward, no collective in the backward.
+        Replicate(): (_randn((2, 3, 12 // world), seed=dist.get_rank()), [("forward", "fastmesh.matmul_all_reduce")]),
+    }
+    for layout, (x, ops) in cases.items():
+        torch.manual_seed(0)
+        linear = nn.Linear(12, 14)  # 3 ranks: bias / 3 is rounded, and the ranks' thirds sum to bias up to rounding
+        parallelize_module(linear, mesh, RowwiseParallel(input_layouts=Shard(-1), output_layouts=layout))
+
+        def step(fn):
+            x_local = x.clone().requires_grad_()
+            y = fn(x_local)
+            (y * torch.arange(y.numel()).reshape(y.shape).sin()).sum().backward()
+            grads = [p.grad.full_tensor() for p in (linear.weight, linear.bias)]
+            linear.zero_grad()
+            return y.detach(), x_local.grad, grads
+
+        want = step(linear)
+        with _fusion(strict=True):
+            got = step(torch.compile(linear, fullgraph=True))
+            report = fastmesh.compile.fusion_report()
+        torch.testing.assert_close(got[:2], want[:2], **TOLERANCE, msg=lambda m: f"{layout}: {m}")
+        torch.testing.assert_close(got[2], want[2], **TOLERANCE, msg=lambda m: f"{layout} grads: {m}")
+        assert [(e.graph_kind, e.fused_into) for e in report.entries] == ops, (layout, str(report))
+        assert "the replicated bias" in report.entries[0].detail, (layout, str(report))
+
+
+def _scatter_mm_plus_partial_bias(x, w, bias):
+    # mm + bias rather than addmm, as DTensor's Replicate -> Partial("sum") makes the bias: divided by W.
+    product = (x.reshape(-1, 2, x.shape[-1]) @ w) + bias.to_local() / dist.get_world_size()
+    return _scatter(product, 1)
+
+
+def _fp8_scatter_rowwise_partial_bias(x, w, bias):
+    data, scale = _quantize_rows(x)
+    wq, ws = _weight_fp8(w)
+    partial = bias.to_local() / dist.get_world_size()
+    return _scatter(torch._scaled_mm(data, wq, scale, ws, bias=partial, out_dtype=torch.float32), 0)
+
+
+@on_ranks(2, timeout=300)
+def test_partial_bias_forms_fuse_in_strict_mode():
+    # A bias DTensor holds as Replicate (here a Replicate DTensor input), made partial before the
+    # reduce-scatter, in the mm + add form and as _scaled_mm's bias: fused, the bias added once after.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    x, w, b = _inputs()
+    bias = DTensor.from_local(b, init_device_mesh("cpu", (dist.get_world_size(),)), [Replicate()])
+    cases = {"mm_plus_bias": (_scatter_mm_plus_partial_bias, "fastmesh.matmul_reduce_scatter", TOLERANCE)}
+    if ROWWISE_ON_CPU:
+        cases["fp8_rowwise"] = (_fp8_scatter_rowwise_partial_bias, "fastmesh.scaled_matmul_reduce_scatter", TOLERANCE)
+    for name, (fn, op, tolerance) in cases.items():
+        with torch.no_grad():
+            want = fn(x, w, bias)
+            with _fusion(strict=True):
+                got = torch.compile(fn, fullgraph=True)(x, w, bias)
+                report = fastmesh.compile.fusion_report()
+        torch.testing.assert_close(got, want, **tolerance, msg=lambda m: f"{name}: {m}")
+        [entry] = report.entries
+        assert entry.fused_into == op and "the replicated bias" in entry.detail, (name, str(report))
+
+
+# ---- torch's own test Transformer (LayerNorm, biased GELU MLP, tied LM head) under its own plans ----
+
+
+def _torch_transformer_step(model, tokens, compiled):
+    logits = (torch.compile(model, fullgraph=True) if compiled else model)(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    loss.backward()
+    # Plain TP leaves the norms' parameters plain tensors.
+    grads = {name: getattr(p.grad, "full_tensor", lambda: p.grad)() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def _torch_transformer_report(use_seq_parallel):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    args = ModelArgs(n_layers=2, vocab_size=32, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0)
+    tokens = torch.randint(0, args.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    # local_output_for_attn=True: each rank attends with its heads (torch's option; with global heads q, k and v
+    # are DTensors, and DTensor has no sharding rule for CPU attention).
+    model = Transformer.parallelize(Transformer(args), mesh, use_seq_parallel, local_output_for_attn=True)
+    want = _torch_transformer_step(model, tokens, compiled=False)
+    with _fusion():
+        got = _torch_transformer_step(model, tokens, compiled=True)
+        report = fastmesh.compile.fusion_report()
+    torch.testing.assert_close(got[0], want[0], **TOLERANCE)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], **TOLERANCE, msg=lambda m: f"{name}: {m}")
+    return report
+
+
+@on_ranks(2, timeout=900)
+def test_torch_transformer_sequence_parallel_plan_fuses_every_matmul_collective():
+    # Every collective of a matmul fuses, the row-parallel biases added after the fused reduce-scatter. Left:
+    # the embeddings' reduce-scatters (of masked lookups) and their backward gathers (into index_put), and the
+    # LM head's gather of its output columns (torch's plan makes the logits replicated), which no fused op
+    # takes: fastmesh fuses a gather into the matmul that consumes it.
+    report = _torch_transformer_report(use_seq_parallel=True)
+    per_layer = {"forward": (5, 4), "backward": (4, 5)}  # (gathers, reduce-scatters) fused: 2 layers + the head
+    for kind, (gathers, scatters) in per_layer.items():
+        assert report.count("fastmesh.all_gather_matmul", kind) == gathers, str(report)
+        assert report.count("fastmesh.matmul_reduce_scatter", kind) == scatters, str(report)
+    assert sum("the replicated bias" in e.detail for e in report.fused) == 2, str(report)  # w2 of each layer
+    embeddings = sorted((e.graph_kind, e.collective) for e in report.unfused if "index_put" in e.detail)
+    assert embeddings == [("backward", "all_gather")] * 2 + [("forward", "reduce_scatter")] * 2, str(report)
+    [head] = [e for e in report.unfused if "index_put" not in e.detail]
+    assert (head.graph_kind, head.collective) == ("forward", "all_gather"), str(report)
+    assert "the all-gather of a matmul's product" in head.detail, str(report)
+
+
+@on_ranks(2, timeout=900)
+def test_torch_transformer_plain_tp_plan_fuses_every_matmul_collective():
+    # Without sequence parallelism: each row-parallel linear's all-reduce (w2's with its bias added after) and,
+    # in the backward, the all-reduce of each column-parallel input gradient fuse into matmul_all_reduce; the
+    # LM head's input is replicated. Left: the embeddings' all-reduces (of masked lookups; not matmuls', so
+    # not listed) and the LM head's gather of its output columns.
+    report = _torch_transformer_report(use_seq_parallel=False)
+    # Forward: wo and w2 of 2 layers. Backward: the input gradients of q, k, v (each linear's input is made
+    # replicated by its own style, so each is all-reduced alone) and w1 of 2 layers, and of the LM head.
+    assert report.count("fastmesh.matmul_all_reduce", "forward") == 4, str(report)
+    assert report.count("fastmesh.matmul_all_reduce", "backward") == 4 * 2 + 1, str(report)
+    assert sum("the replicated bias" in e.detail for e in report.fused) == 2, str(report)
+    [head] = report.unfused
+    assert (head.graph_kind, head.collective) == ("forward", "all_gather"), str(report)
+    assert "the all-gather of a matmul's product" in head.detail, str(report)
+
+
 # ---- each pattern alone ----
 
 
@@ -259,6 +414,15 @@ def _scatter_last_dim(x, w, b):
 def _scatter_sum_of_matmuls(x, w, b):
     x3 = x.reshape(-1, 2, x.shape[-1])
     return _scatter(x3 @ w + (x3 * 2) @ (w - 1) + torch.sin(x3) @ (3 * w), 1)
+
+
+def _all_reduce_mm(x, w, b):
+    return funcol.all_reduce(x.reshape(2, -1, x.shape[-1]) @ w, "sum", _world())
+
+
+def _all_reduce_sum_of_matmuls_avg(x, w, b):
+    # The backward of column-parallel q/k/v with a replicated input: the input gradient's terms, all-reduced.
+    return funcol.all_reduce(x @ w + torch.sin(x) @ (w - 1), "avg", _world())
 
 
 # ---- FP8: native FP8 TP written by hand (gloo moves FP8 as bytes) ----
@@ -333,6 +497,8 @@ PATTERNS = {
     "scatter_dim1_avg": (_scatter_dim1_avg, ["fastmesh.matmul_reduce_scatter"], 1),
     "scatter_last_dim": (_scatter_last_dim, ["fastmesh.matmul_reduce_scatter"], 1),
     "scatter_sum_of_matmuls": (_scatter_sum_of_matmuls, ["fastmesh.matmul_reduce_scatter"], 3),
+    "all_reduce_mm": (_all_reduce_mm, ["fastmesh.matmul_all_reduce"], 1),
+    "all_reduce_sum_of_matmuls_avg": (_all_reduce_sum_of_matmuls_avg, ["fastmesh.matmul_all_reduce"], 2),
     # An FP8 row-wise gather carries its scales' gather: two collectives, one fused op.
     "fp8_gather_rowwise": (_fp8_gather_rowwise, ["fastmesh.all_gather_scaled_matmul"] * 2, 1),
     "fp8_gather_rowwise_dim1": (_fp8_gather_rowwise_dim1, ["fastmesh.all_gather_scaled_matmul"] * 2, 1),
@@ -412,6 +578,10 @@ def _scatter_after_bias(x, w, b):
     return _scatter(torch.addmm(b, x, w), 0)
 
 
+def _scatter_after_plain_partial_bias(x, w, b):
+    return _scatter(torch.addmm(b / dist.get_world_size(), x, w), 0)
+
+
 def _fp8_gather_tensorwise_local_scale(x, wq, b):
     data, scale = _quantize(x, x.abs().amax())  # each rank's own scale: not what the native graph means
     return torch._scaled_mm(_gather_fp8(data, 0), wq, scale, torch.tensor(0.5), out_dtype=torch.float32)
@@ -437,7 +607,15 @@ UNFUSABLE = {
     ),
     "gather_then_relu": (_gather_then_relu, "all_gather", "feeds no matmul", _inputs, True),
     "scatter_product_used_twice": (_scatter_product_used_twice, "reduce_scatter", "other users", _inputs, True),
-    "scatter_after_bias": (_scatter_after_bias, "reduce_scatter", "addmm", _inputs, True),
+    "scatter_after_bias": (_scatter_after_bias, "reduce_scatter", "not DTensor's partial form", _inputs, True),
+    # Divided by the group size like DTensor's partial bias, but a plain input: each rank may give its own.
+    "scatter_after_plain_partial_bias": (
+        _scatter_after_plain_partial_bias,
+        "reduce_scatter",
+        "not provably the same on every rank",
+        _inputs,
+        True,
+    ),
 }
 
 
@@ -505,6 +683,15 @@ def test_unprofitable_collectives_are_left_and_strict_accepts_them():
             "not profitable: fastmesh::all_gather_matmul's plan for these shapes is unfused (model: " in entry.detail
             and "left (not profitable)" in str(report)
         ), str(report)
+
+        # The same question for an all-reduce, asked of matmul_all_reduce's planner.
+        with _fusion(strict=True, tune="model"):
+            got = torch.compile(_all_reduce_mm, fullgraph=True)(*inputs)
+            report = fastmesh.compile.fusion_report()
+        torch.testing.assert_close(got, _all_reduce_mm(*inputs), **TOLERANCE)
+        [entry] = report.entries
+        assert entry.unprofitable, str(report)
+        assert "fastmesh::matmul_all_reduce's plan for these shapes is unfused" in entry.detail, str(report)
 
         x, w, _ = inputs  # the fused call's operands: the [2, 3, 10] shard gathered along dim 1, by w and 2w
         call = gather_plan_call(x.reshape(2, -1, x.shape[-1]), [w, 2 * w], 1, fastmesh.group_name(dist.group.WORLD))

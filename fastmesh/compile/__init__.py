@@ -17,13 +17,17 @@ native pattern (post-grad FX, functional collectives)       becomes
 ``mm(x, b)`` or a sum of ``mm(x_j, b_j)`` [reshape]           ``fastmesh::matmul_reduce_scatter(x, b, d,
 [split/cat from dim d] -> ``wait(reduce_scatter(., op))``    op, group)``; a sum becomes one matmul of
                                                             ``cat(x_j, -1)`` by ``cat(b_j, 0)``
+the same -> ``wait(all_reduce(., op))``                     ``fastmesh::matmul_all_reduce(x, b, op, group)``
+either reduction of ``addmm(bias / W, x, b)`` (or ``mm`` +   the fused op, then ``+ bias`` once: DTensor's
+``bias / W``), ``bias`` a DTensor's replicated bias, op sum  partial form of a replicated bias
 either, with ``_scaled_mm`` of FP8 data                     ``all_gather_scaled_matmul`` /
                                                             ``scaled_matmul_reduce_scatter``
 ==========================================================  ==========================================
 
-The fused graph computes what the native one computes, up to summation order. Any other collective, and one
-whose fused plan would not pay, is left as it is, logged on the ``fastmesh.compile`` logger and listed in
-:func:`fusion_report` with the reason; ``strict=True`` makes those that cannot be fused a :class:`FusionError`.
+The fused graph computes what the native one computes, up to summation order. Any other all-gather or
+reduce-scatter, any all-reduce of a matmul, and one whose fused plan would not pay, is left as it is, logged on
+the ``fastmesh.compile`` logger and listed in :func:`fusion_report` with the reason (all-reduces of anything but
+a matmul are not listed); ``strict=True`` makes those that cannot be fused a :class:`FusionError`.
 How the pass works and why: ``docs/design/compile.md``.
 """
 

@@ -2,10 +2,10 @@
 
 :func:`enable_fusion` installs :class:`FusionPass` as ``torch._inductor.config.post_grad_custom_post_pass``.
 Inductor calls it once for every graph it compiles (the forward and the backward of each compiled region).
-For every ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` in the graph it either rewrites the
-pattern into a fastmesh fused op (``all_gather_matmul`` / ``matmul_reduce_scatter`` or their FP8 forms) and
-logs it (INFO on the ``fastmesh.compile`` logger), or leaves it and logs why (WARNING; INFO when it would not
-pay). Both end up in :func:`fusion_report`.
+For every ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` of a matmul in the graph it
+either rewrites the pattern into a fastmesh fused op (``all_gather_matmul`` / ``matmul_reduce_scatter`` /
+``matmul_all_reduce`` or the FP8 forms) and logs it (INFO on the ``fastmesh.compile`` logger), or leaves it and
+logs why (WARNING; INFO when it would not pay). Both end up in :func:`fusion_report`.
 With ``strict=True`` a collective it leaves fails the compile with a :class:`FusionError` naming it.
 
 Precedence with torch's own async TP (``torch._inductor.config._micro_pipeline_tp = True``): inductor runs
@@ -48,10 +48,11 @@ class FusionEntry:
     Attributes:
         graph: the graph's index in the order the pass saw graphs (since the report was last reset).
         graph_kind: ``"forward"``, ``"backward"`` or ``"inference"``.
-        collective: ``"all_gather"`` or ``"reduce_scatter"``.
+        collective: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
         node: the collective's node name in that graph.
         fused_into: the op it became (``"fastmesh.all_gather_matmul"``, ``"fastmesh.matmul_reduce_scatter"``,
-            or a ``"torch.symm_mem.fused_*"`` op when torch's ``_micro_pipeline_tp`` took it), None if left.
+            ``"fastmesh.matmul_all_reduce"``, ..., or a ``"torch.symm_mem.fused_*"`` op when torch's
+            ``_micro_pipeline_tp`` took it), None if left.
         matmuls: the number of matmuls fused with it.
         detail: the fused call's arguments, or why the collective was left.
         unprofitable: left because the fused op's plan for these shapes is the unfused sequence
@@ -166,7 +167,12 @@ def _gather_detail(match: patterns.GatherMatch) -> str:
 
 
 def _scatter_detail(match: patterns.ScatterMatch) -> str:
-    return f"scatter_dim={match.scatter_dim}, reduce_op={match.reduce_op}, group={match.group_name}"
+    detail = f"reduce_op={match.reduce_op}, group={match.group_name}"
+    if match.scatter_dim is not None:
+        detail = f"scatter_dim={match.scatter_dim}, {detail}"
+    if match.biases:
+        detail += f", + the replicated bias {', '.join(b.bias.name for b in match.biases)} once after"
+    return detail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +204,14 @@ _RULES = (
         lambda m: len(m.terms),
         _scatter_detail,
     ),
+    _Rule(
+        "all_reduce",
+        patterns.ALL_REDUCE,
+        patterns.match_all_reduce,
+        rewrite.fuse_all_reduce,
+        lambda m: len(m.terms),
+        _scatter_detail,
+    ),
 )
 
 
@@ -221,7 +235,9 @@ def _fuse_collectives(graph: Graph, rule: _Rule, index: int, kind: str) -> list[
     """Fuse every collective of ``rule``'s kind that matches and pays; an entry for each, in graph order."""
     entry = functools.partial(FusionEntry, index, kind, rule.collective)
     # Match everything first: an FP8 gather carries its scales' gather, which must not be reported as left.
+    # A rule's match gives None for a collective that is none of its business (an all-reduce of no matmul).
     found = [(node.name, rule.match(node)) for node in graph.nodes if node.target == rule.target]
+    found = [(name, match) for name, match in found if match is not None]
     outcomes: dict[str, FusionEntry] = {}
     carried: dict[str, str] = {}  # a row-wise scales' gather -> the gather whose fused op carries it
     for name, match in found:

@@ -14,9 +14,12 @@ and Partial -> Shard(d) of a row-parallel product as::
     c = cat([split(p, p.size(d) // W, d)[0], ..., [W-1]])             # (absent when d == 0)
     out = wait_tensor(reduce_scatter_tensor(c, "sum" | "avg", W, group))
 
-The FP8 forms have ``_scaled_mm`` in place of ``mm`` (gloo gathers FP8 as uint8 bytes, viewed back as FP8).
-:func:`match_all_gather` and :func:`match_reduce_scatter` return a description of what to rewrite, or an
-:class:`Unfusable` with the reason a user can act on. Nothing here edits the graph.
+A Partial -> Replicate of a row-parallel product is ``wait_tensor(all_reduce(p, op, group))``. A row-parallel
+linear's bias is made partial by DTensor: ``addmm(bias / W, x, b)`` (or ``mm(x, b) + bias / W``) before the
+reduction (:func:`_partial_bias`). The FP8 forms have ``_scaled_mm`` in place of ``mm`` (gloo gathers FP8 as
+uint8 bytes, viewed back as FP8).
+:func:`match_all_gather`, :func:`match_reduce_scatter` and :func:`match_all_reduce` return a description of
+what to rewrite, or an :class:`Unfusable` with the reason a user can act on. Nothing here edits the graph.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import dataclasses
 import operator
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
@@ -106,6 +110,21 @@ class ScatterMatch:
     shape_args: list  # ``product``'s shape as reshape arguments (ints and SymInt nodes of the graph)
     chain: tuple[Node, ...]  # every node between the mms and the wait, erased after the rewrite
     scaled: dict | None = None  # FP8: the one term's _scaled_mm arguments by name
+    biases: tuple[PartialBias, ...] = ()  # replicated biases DTensor made partial: added once after the fused op
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialBias:
+    """``term = div(bias, W)``, added to the product on every one of the ``W`` ranks before the sum over them:
+    DTensor's Replicate -> Partial("sum") form of the replicated ``bias`` (see :func:`_partial_bias`)."""
+
+    term: Node
+    bias: Node
+
+
+def matmul_operands(node: Node) -> tuple[Node, Node]:
+    """The two matrices of an ``mm``, ``addmm`` or ``_scaled_mm`` node."""
+    return (node.args[1], node.args[2]) if node.target == ADDMM else (node.args[0], node.args[1])
 
 
 def fake_value(node) -> torch.Tensor | None:
@@ -150,9 +169,16 @@ def _scaled_mm_extras(node: Node, scaled: dict) -> Unfusable | None:
     return None
 
 
-def _same_on_every_rank(node: Node) -> bool:
+def _dtensor_local(node: Node) -> bool:
+    """Whether a graph input is a DTensor's local tensor (AOTAutograd's input descriptor says so)."""
+    desc = node.meta.get("desc")
+    return node.op == "placeholder" and getattr(desc, "attr", None) == "_local_tensor"
+
+
+def _same_on_every_rank(node: Node, dtensor_locals: bool = False) -> bool:
     """Whether ``node`` is provably replicated: every path up from it ends in an all-reduce's result or in a
-    constant (never in a graph input, which each rank gives its own)."""
+    constant (never in a graph input, which each rank gives its own), or with ``dtensor_locals`` in a DTensor's
+    local tensor (for what DTensor's own contract makes replicated: :func:`_partial_bias`)."""
     stack, seen = [node], set()
     while stack:
         current = stack.pop()
@@ -160,6 +186,8 @@ def _same_on_every_rank(node: Node) -> bool:
             continue
         seen.add(current)
         if current.target == WAIT and current.args[0].target == ALL_REDUCE:
+            continue
+        if dtensor_locals and _dtensor_local(current):
             continue
         if current.op in ("placeholder", "get_attr"):
             return False
@@ -340,6 +368,11 @@ def match_all_gather(collective: Node) -> GatherMatch | Unfusable:
             return Unfusable("the gathered FP8 data is not the all-gather of an FP8 shard (or of its bytes)")
         shard = shard.args[0]
     consumers, others, views = _consumers_of(gathered)
+    if not consumers and _matmul_fed(shard):
+        return Unfusable(
+            f"the all-gather of a matmul's product (gather dim {gather_dim}; a column-parallel output made "
+            "replicated) feeds no matmul: fastmesh fuses a gather only into the matmuls that consume it"
+        )
     if not consumers:
         return Unfusable(
             f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through "
@@ -418,6 +451,40 @@ def _with_scales(match: GatherMatch) -> GatherMatch | Unfusable:
     )
 
 
+def _partial_bias(term: Node, product: Node, reduce_op: str, world: int) -> PartialBias | Unfusable:
+    """``term`` (a bias added to the matmul ``product`` before the reduction over ``world`` ranks) as a
+    :class:`PartialBias`, or why it is not one.
+
+    Adding ``bias`` once after the reduction equals the native graph exactly when the ranks' terms sum to it:
+    ``sum_r (p_r + bias / W) = sum_r p_r + bias`` (up to rounding) for a ``bias`` that is the same on every
+    rank. That is the form DTensor gives a replicated tensor it makes partial: Replicate -> Partial("sum")
+    divides by the mesh size (``Partial._partition_value``), and DTensor does so only to a tensor it holds as
+    Replicate. So the pass asks for exactly that: a sum over the group, a division by the group size, and a
+    bias that comes from DTensors' local tensors or all-reduced values (a plain graph input may differ per
+    rank, and the native graph would then add the ranks' mean). The bias must broadcast over the product's
+    rows (a ``[N]`` bias), so that it is the same for every rank's block of a reduce-scatter."""
+    why = f"{term.name} is a bias added before the reduction, summed over ranks"
+    if reduce_op != "sum":
+        return Unfusable(f"{why} with reduce op {reduce_op!r}; the pass moves a bias after a sum only")
+    if term.target not in (aten.div.Tensor, aten.div.Scalar) or len(term.args) != 2 or term.kwargs:
+        return Unfusable(f"{why}: not DTensor's partial form of a replicated bias (divided by the group size)")
+    bias, divisor = term.args
+    if isinstance(divisor, Node) or divisor != world or not isinstance(bias, Node):
+        return Unfusable(f"{why}: not DTensor's partial form of a replicated bias (divided by the group size)")
+    bias_value, product_value = fake_value(bias), fake_value(product)
+    if (
+        bias_value is None
+        or product_value is None
+        or bias_value.dim() == 0
+        or any(not _provably_equal(size, 1) for size in bias_value.shape[:-1])
+        or not _provably_equal(bias_value.shape[-1], product_value.shape[-1])
+    ):
+        return Unfusable(f"{why}: it does not broadcast over the product's rows as one [N] bias")
+    if not _same_on_every_rank(bias, dtensor_locals=True):
+        return Unfusable(f"{why}: {bias.name} is not provably the same on every rank (not a DTensor's)")
+    return PartialBias(term, bias)
+
+
 def _strip_reshapes(node: Node, chain: list[Node]) -> Node:
     while node.target in RESHAPES and len(node.users) == 1:
         chain.append(node)
@@ -425,45 +492,96 @@ def _strip_reshapes(node: Node, chain: list[Node]) -> Node:
     return node
 
 
-def _product_terms(product: Node, chain: list[Node]) -> list[Node] | Unfusable:
-    """The mm nodes that sum (through reshapes that keep the last dim) to ``product``; every node on the
-    way must have no other user, or the matmul would have to run anyway."""
+@dataclasses.dataclass
+class _Reduction:
+    """What the matmuls feeding a reduction must satisfy, and what :func:`_product_terms` collects."""
+
+    reduce_op: str
+    world: int
+    chain: list[Node]  # every node between the matmuls and the collective
+    biases: list[PartialBias] = dataclasses.field(default_factory=list)
+
+
+def _broadcasts(node: Node) -> bool:
+    """An ``add`` whose operands have different shapes."""
+    shapes = [tuple(fake_value(arg).shape) if fake_value(arg) is not None else None for arg in node.args]
+    return shapes[0] != shapes[1] or None in shapes
+
+
+def _broadcasts_into(operand: Node, result: Node) -> bool:
+    """Whether ``operand`` has another shape than ``result`` (it is broadcast into it)."""
+    value = fake_value(operand)
+    return value is None or tuple(value.shape) != tuple(fake_value(result).shape)
+
+
+def _product_terms(product: Node, reduction: _Reduction) -> list[Node] | Unfusable:
+    """The mm / addmm / _scaled_mm nodes that sum (through reshapes that keep the last dim) to ``product``,
+    and the partial biases added on the way (to ``reduction.biases``); every node on the way must have no
+    other user, or the matmul would have to run anyway."""
+    chain = reduction.chain
     value = fake_value(product)
     node = _strip_reshapes(product, chain)
     if node.target == aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
         if node is not product and len(node.users) != 1:
-            return Unfusable(f"the sum {node.name} feeding the reduce-scatter has other users")
-        if any(
-            fake_value(arg) is None or tuple(fake_value(arg).shape) != tuple(fake_value(node).shape)
-            for arg in node.args
-        ):
-            return Unfusable(f"the sum {node.name} feeding the reduce-scatter broadcasts")
+            return Unfusable(f"the sum {node.name} feeding the reduction has other users")
+        if not all(isinstance(arg, Node) for arg in node.args):
+            return Unfusable(f"the sum {node.name} feeding the reduction adds a scalar")
         chain.append(node)
-        terms = []
-        for arg in node.args:
-            found = _product_terms(arg, chain)
+        products = list(node.args)
+        if _broadcasts(node):  # a matmul plus a bias broadcast over its rows
+            bias = _partial_bias(node.args[1], node, reduction.reduce_op, reduction.world)
+            if isinstance(bias, Unfusable):
+                return bias
+            reduction.biases.append(bias)
+            products = [node.args[0]]
+        found_terms = []
+        for arg in products:
+            found = _product_terms(arg, reduction)
             if isinstance(found, Unfusable):
                 return found
-            terms += found
-        return terms
+            found_terms += found
+        return found_terms
+    if node.target not in (MM, ADDMM, SCALED_MM):
+        return Unfusable(f"the reduction's input is not a matmul or a sum of matmuls: {_describe_nodes([node])}")
+    more_terms = []
     if node.target == ADDMM:
-        return Unfusable(
-            f"{node.name} is an addmm: a bias added before the reduce-scatter would be summed over "
-            "ranks; the pass fuses only mm"
-        )
-    if node.target not in (MM, SCALED_MM):
-        return Unfusable(f"the reduce-scatter's input is not a matmul or a sum of matmuls: {_describe_nodes([node])}")
+        if len(node.args) != 3 or node.kwargs:
+            return Unfusable(f"the addmm {node.name} scales its terms (beta / alpha)")
+        added = node.args[0]
+        if isinstance(added, Node) and not _broadcasts_into(added, node):
+            # Inductor folds ``mm + mm`` into ``addmm(mm, ...)``: one more term of a sum of matmuls.
+            if len(added.users) != 1:
+                return Unfusable(f"the term {added.name} added by the addmm {node.name} has other users")
+            more_terms = [added]
+        else:
+            bias = _partial_bias(added, node, reduction.reduce_op, reduction.world)
+            if isinstance(bias, Unfusable):
+                return bias
+            reduction.biases.append(bias)
     if node.target == SCALED_MM:
-        extras = _scaled_mm_extras(node, _scaled_mm_args(node))
-        if extras is not None:
-            return extras
+        scaled = _scaled_mm_args(node)
+        if scaled["scale_result"] is not None:
+            return Unfusable(f"_scaled_mm {node.name} has a scale_result, which the fused op has not")
+        if scaled["bias"] is not None:
+            bias = _partial_bias(scaled["bias"], node, reduction.reduce_op, reduction.world)
+            if isinstance(bias, Unfusable):
+                return bias
+            reduction.biases.append(bias)
     if node is not product and len(node.users) != 1:
-        return Unfusable(f"the matmul {node.name} feeding the reduce-scatter has other users")
+        return Unfusable(f"the matmul {node.name} feeding the reduction has other users")
     out = fake_value(node)
-    if node.target == MM and (value is None or out is None or not _provably_equal(out.shape[-1], value.shape[-1])):
-        return Unfusable(f"a reshape between the matmul {node.name} and the reduce-scatter changes the last dim")
-    chain.append(node)
-    return [node]
+    if node.target != SCALED_MM and (
+        value is None or out is None or not _provably_equal(out.shape[-1], value.shape[-1])
+    ):
+        return Unfusable(f"a reshape between the matmul {node.name} and the reduction changes the last dim")
+    chain.append(node)  # before the terms it adds: the chain lists users first
+    terms = [node]
+    for added in more_terms:
+        found = _product_terms(added, reduction)
+        if isinstance(found, Unfusable):
+            return found
+        terms += found
+    return terms
 
 
 def _shape_args(product: Node, chain: list[Node]) -> list | None:
@@ -482,35 +600,31 @@ def _shape_args(product: Node, chain: list[Node]) -> list | None:
     return None
 
 
-def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable:
-    scattered, reduce_op, world, group_name = collective.args[:4]
+def _wait_of(collective: Node) -> Node | Unfusable:
+    """The only wait_tensor of a reducing collective (whose result may also be saved for backward)."""
     users = list(collective.users)
     waits = [u for u in users if u.target == WAIT]
     if len(waits) != 1 or any(u.op != "output" for u in users if u is not waits[0]):
-        return Unfusable(
-            f"the reduce-scatter's result is used before or besides its wait_tensor ({_describe_nodes(users)})"
-        )
+        return Unfusable(f"its result is used before or besides its wait_tensor ({_describe_nodes(users)})")
+    return waits[0]
+
+
+def _match_reduction(collective, wait, product, scatter_dim, reduce_op, world, group_name, chain):
+    """The matmul terms and partial biases whose reduction ``collective`` is (a ScatterMatch; scatter_dim None
+    for an all-reduce), or why it is left."""
     if reduce_op not in REDUCE_OPS:
         return Unfusable(f"reduce op {reduce_op!r}: the fused op reduces with {REDUCE_OPS}")
-
-    chain: list[Node] = []
-    product, scatter_dim = scattered, 0
-    blocks = _rank_blocks(scattered, world) if len(scattered.users) == 1 else None
-    if blocks is not None and blocks.cat_dim == 0:
-        if not blocks.equal:
-            return Unfusable(f"the reduce-scatter's blocks along dim {blocks.split_dim} are not {world} equal splits")
-        product, scatter_dim = blocks.source, blocks.split_dim
-        chain += reversed(blocks.nodes)
     if len(product.users) != 1:
         return Unfusable(f"the reduced tensor {product.name} has other users")
-
-    terms = _product_terms(product, chain)
+    reduction = _Reduction(reduce_op, world, chain)
+    terms = _product_terms(product, reduction)
     if isinstance(terms, Unfusable):
         return terms
     scaled = _scaled_mm_args(terms[0]) if terms[0].target == SCALED_MM else None
     if scaled is not None and len(terms) > 1:
         return Unfusable("a sum of scaled matmuls: the fused op multiplies one pair of FP8 operands")
-    dtypes = {fake_value(t.args[i]).dtype for t in terms for i in (0, 1)}
+    operands = [matmul_operands(t) for t in terms]
+    dtypes = {fake_value(operand).dtype for pair in operands for operand in pair}
     if scaled is not None and not dtypes <= set(FP8_DTYPES):
         return Unfusable(f"the scaled matmul's operands are {sorted(map(str, dtypes))}, not FP8")
     if scaled is None and (len(dtypes) != 1 or not dtypes <= set(MATMUL_DTYPES)):
@@ -518,14 +632,19 @@ def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable:
             f"the matmul operands are {sorted(map(str, dtypes))}; the fused op multiplies one of "
             f"{', '.join(map(str, MATMUL_DTYPES))}"
         )
-    if len(terms) > 1 and not all(isinstance(fake_value(t.args[0]).shape[1], int) for t in terms):
+    if len(terms) > 1 and not all(isinstance(fake_value(a).shape[1], int) for a, _ in operands):
         return Unfusable("a sum of matmuls with a symbolic contraction size")
     shape_args = _shape_args(product, chain)
     if shape_args is None:
         return Unfusable("the reduced tensor's symbolic shape is not available as reshape arguments")
+    if reduction.biases and scatter_dim is not None and scatter_dim % len(shape_args) == len(shape_args) - 1:
+        return Unfusable(
+            f"a bias ({reduction.biases[0].term.name}) before a reduce-scatter along the last dim: each rank "
+            "would add its own block of it"
+        )
     return ScatterMatch(
         collective,
-        waits[0],
+        wait,
         reduce_op,
         scatter_dim,
         group_name,
@@ -534,4 +653,44 @@ def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable:
         shape_args,
         tuple(chain),
         scaled,
+        tuple(reduction.biases),
     )
+
+
+def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable:
+    scattered, reduce_op, world, group_name = collective.args[:4]
+    wait = _wait_of(collective)
+    if isinstance(wait, Unfusable):
+        return wait
+    chain: list[Node] = []
+    product, scatter_dim = scattered, 0
+    blocks = _rank_blocks(scattered, world) if len(scattered.users) == 1 else None
+    if blocks is not None and blocks.cat_dim == 0:
+        if not blocks.equal:
+            return Unfusable(f"the reduce-scatter's blocks along dim {blocks.split_dim} are not {world} equal splits")
+        product, scatter_dim = blocks.source, blocks.split_dim
+        chain += reversed(blocks.nodes)
+    return _match_reduction(collective, wait, product, scatter_dim, reduce_op, world, group_name, chain)
+
+
+def _matmul_fed(node: Node) -> bool:
+    """Whether ``node`` is, through reshapes and adds, a matmul's product."""
+    while node.target in RESHAPES:
+        node = node.args[0]
+    if node.target == aten.add.Tensor:
+        return any(isinstance(arg, Node) and _matmul_fed(arg) for arg in node.args)
+    return node.target in (MM, ADDMM, SCALED_MM)
+
+
+def match_all_reduce(collective: Node) -> ScatterMatch | Unfusable | None:
+    """An all-reduce of matmul products (a ScatterMatch with ``scatter_dim`` None), why one is left, or None
+    for an all-reduce of anything else (an amax, a loss, an embedding's lookup), which the pass does not
+    list: it is no matmul's collective."""
+    reduced, reduce_op, group_name = collective.args[:3]
+    if not _matmul_fed(reduced):
+        return None
+    wait = _wait_of(collective)
+    if isinstance(wait, Unfusable):
+        return wait
+    world = _resolve_process_group(group_name).size()
+    return _match_reduction(collective, wait, reduced, None, reduce_op, world, group_name, [])

@@ -14,6 +14,7 @@ from fastmesh.compile import patterns
 from fastmesh.ops import plans
 from fastmesh.ops.fused_collectives import gather_plan_call, scatter_plan_call
 from fastmesh.ops.fused_collectives_fp8 import scaled_gather_plan_call, scaled_scatter_plan_call
+from fastmesh.ops.matmul_all_reduce import plan_call as all_reduce_plan_call
 
 
 def _gather_call(match: patterns.GatherMatch) -> plans.Call | None:
@@ -32,7 +33,7 @@ def _gather_call(match: patterns.GatherMatch) -> plans.Call | None:
 
 def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
     product = patterns.fake_value(match.product)
-    terms = [(patterns.fake_value(t.args[0]), patterns.fake_value(t.args[1])) for t in match.terms]
+    terms = [tuple(map(patterns.fake_value, patterns.matmul_operands(t))) for t in match.terms]
     if not plans.has_static_shape(product, *(t for term in terms for t in term)):
         return None
     shape = [patterns.size_value(s) for s in match.shape_args]
@@ -42,6 +43,8 @@ def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
     k = sum(a.shape[-1] for a, _ in terms)
     a = a0.new_empty(shape[:-1] + [k])  # the op's a: the product's leading dims, the terms' contractions
     b = b0.new_empty([k, b0.shape[-1]])
+    if match.scatter_dim is None:
+        return all_reduce_plan_call(a, b, match.group_name)
     dim = match.scatter_dim % len(shape)
     if match.scaled is None:
         return scatter_plan_call(a, b, dim, match.group_name)
@@ -52,7 +55,8 @@ def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
 
 
 def unprofitable(match) -> str | None:
-    """Why fusing ``match`` (a GatherMatch or ScatterMatch) would not pay, or None to fuse it."""
+    """Why fusing ``match`` (a GatherMatch, or a ScatterMatch of a reduce-scatter or an all-reduce) would not
+    pay, or None to fuse it."""
     call = _gather_call(match) if isinstance(match, patterns.GatherMatch) else _scatter_call(match)
     decision = None if call is None else plans.unfused_offline(call)
     if decision is None:

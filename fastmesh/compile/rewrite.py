@@ -16,7 +16,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
 
-from fastmesh.compile.patterns import GatherMatch, ScatterMatch, Unfusable
+from fastmesh.compile.patterns import GatherMatch, ScatterMatch, Unfusable, matmul_operands
 
 aten = torch.ops.aten
 
@@ -159,26 +159,48 @@ def fuse_all_gather(graph: Graph, match: GatherMatch):
     return fused
 
 
+def _reduction_operands(build: _NodeBuilder, match: ScatterMatch):
+    """The fused op's ``a`` (with the product's leading dims), ``b`` and, FP8, ``a_scale``."""
+    operands = [matmul_operands(t) for t in match.terms]
+    if len(operands) == 1:
+        a, b = operands[0]
+    else:
+        a = _cat_matrices(build, [a for a, _ in operands], 1)
+        b = _cat_matrices(build, [b for _, b in operands], 0)
+    contraction = a.meta["val"].shape[1]
+    a_scale = match.scaled["scale_a"] if match.scaled else None
+    if len(match.shape_args) != 2:
+        lead = match.shape_args[:-1]
+        a = build.call(aten.reshape.default, a, [*lead, contraction if isinstance(contraction, int) else -1])
+        if match.scaled and a_scale.meta["val"].dim() == 2:  # row-wise: one scale per row of a
+            a_scale = build.call(aten.reshape.default, a_scale, [*lead, 1])
+    return a, b, a_scale
+
+
+def _finish_reduction(graph: Graph, build: _NodeBuilder, match: ScatterMatch, fused: Node) -> Node:
+    """Add the partial biases once after the fused op (why that is exact: patterns._partial_bias), then put
+    the result in the place of the collective's and erase the native nodes."""
+    out = fused
+    for bias in match.biases:
+        out = build.call(aten.add.Tensor, out, bias.bias)
+    for user in list(match.collective.users):
+        if user.op == "output":  # the collective saved for backward
+            user.replace_input_with(match.collective, out)
+    match.wait.replace_all_uses_with(out)
+    _erase(graph, [match.wait, match.collective, *match.chain])
+    _erase_unused(graph, [bias.term for bias in match.biases])
+    return fused
+
+
 def fuse_reduce_scatter(graph: Graph, match: ScatterMatch):
     """Replace the matmul(s) and the reduce-scatter by one ``fastmesh::matmul_reduce_scatter`` (or, for a
-    ``_scaled_mm``, ``scaled_matmul_reduce_scatter``); a sum of matmuls ``sum_j x_j @ b_j`` becomes one matmul
-    of ``cat(x_j, -1)`` by ``cat(b_j, 0)``. Returns the new node or an :class:`Unfusable`."""
+    ``_scaled_mm``, ``scaled_matmul_reduce_scatter``), plus the partial biases added once after; a sum of
+    matmuls ``sum_j x_j @ b_j`` becomes one matmul of ``cat(x_j, -1)`` by ``cat(b_j, 0)``. Returns the new
+    node or an :class:`Unfusable`."""
     build = _NodeBuilder(graph, match.collective)
-    terms = match.terms
+    scaled = match.scaled
     try:
-        if len(terms) == 1:
-            a, b = terms[0].args[0], terms[0].args[1]
-        else:
-            a = _cat_matrices(build, [t.args[0] for t in terms], 1)
-            b = _cat_matrices(build, [t.args[1] for t in terms], 0)
-        contraction = a.meta["val"].shape[1]
-        scaled = match.scaled
-        a_scale = scaled["scale_a"] if scaled else None
-        if len(match.shape_args) != 2:
-            lead = match.shape_args[:-1]
-            a = build.call(aten.reshape.default, a, [*lead, contraction if isinstance(contraction, int) else -1])
-            if scaled and a_scale.meta["val"].dim() == 2:  # row-wise: one scale per row of a
-                a_scale = build.call(aten.reshape.default, a_scale, [*lead, 1])
+        a, b, a_scale = _reduction_operands(build, match)
         if scaled:
             fused = build.call(
                 torch.ops.fastmesh.scaled_matmul_reduce_scatter.default,
@@ -203,10 +225,19 @@ def fuse_reduce_scatter(graph: Graph, match: ScatterMatch):
     except Exception as error:
         build.undo()
         return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")
+    return _finish_reduction(graph, build, match, fused)
 
-    for user in list(match.collective.users):
-        if user.op == "output":  # the collective saved for backward
-            user.replace_input_with(match.collective, fused)
-    match.wait.replace_all_uses_with(fused)
-    _erase(graph, [match.wait, match.collective, *match.chain])
-    return fused
+
+def fuse_all_reduce(graph: Graph, match: ScatterMatch):
+    """Replace the matmul(s) and the all-reduce by one ``fastmesh::matmul_all_reduce``, plus the partial
+    biases added once after. Returns the new node or an :class:`Unfusable`."""
+    if match.scaled:
+        return Unfusable("an all-reduce of a scaled matmul: fastmesh has no FP8 matmul_all_reduce for the pass")
+    build = _NodeBuilder(graph, match.collective)
+    try:
+        a, b, _ = _reduction_operands(build, match)
+        fused = build.call(torch.ops.fastmesh.matmul_all_reduce.default, a, b, match.reduce_op, match.group_name)
+    except Exception as error:
+        build.undo()
+        return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")
+    return _finish_reduction(graph, build, match, fused)
