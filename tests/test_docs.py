@@ -99,10 +99,15 @@ def _all_blocks() -> list[Block]:
     return [block for page in doc_pages() for block in _scan(page)[0]]
 
 
-def _block_params():
-    for block in _all_blocks():
-        marks = [pytest.mark.skip(reason=f"marked not run: {block.not_run}")] if block.not_run else []
-        yield pytest.param(block, id=f"{block.page}:{block.line}", marks=marks)
+def _block_params() -> list:
+    return [
+        pytest.param(
+            block,
+            id=f"{block.page}:{block.line}",
+            marks=[pytest.mark.skip(reason=f"marked not run: {block.not_run}")] if block.not_run else [],
+        )
+        for block in _all_blocks()
+    ]
 
 
 def run_block(source: str, page: str, line: int) -> None:
