@@ -37,7 +37,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   TORCH_CHECK_VALUE(dim != a_shard.dim() - 1, kOp, ": the FP8 form gathers rows: gather_dim must not be the last dim (",
                     gather_dim, " for a_shard with ", a_shard.dim(),
                     " dims), since ranks' scales cannot share a dot product");
-  bool any_rowwise = check_scale(a_scale, a_shard, rowwise_sizes(a_shard.sizes()), kOp, "a_scale", "a_shard");
+  bool any_rowwise = check_a_scale(a_scale, a_shard, kOp, "a_scale", "a_shard");
   check_out_dtype(out_dtype, kOp);
   check_pieces(pieces, kOp);
   const pipeline::Split schedule = check_split(split, kOp);
@@ -51,12 +51,8 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
                     b_scales.size());
   for (size_t i = 0; i < bs.size(); ++i) {
     const std::string arg = "bs[" + std::to_string(i) + "]";
-    check_tensor(bs[i], kOp, arg, kFp8Dtypes, 2, 2);
-    TORCH_CHECK_VALUE(bs[i].device() == a_shard.device(), kOp, ": ", arg, " must be on a_shard's device ",
-                      a_shard.device(), ", got ", bs[i].device());
-    TORCH_CHECK_VALUE(bs[i].size(0) == a_shard.size(-1), kOp, ": ", arg, " must have ", a_shard.size(-1),
-                      " rows (the last dim of a_shard), got shape ", bs[i].sizes());
-    any_rowwise |= check_scale(b_scales[i], bs[i], {1, bs[i].size(1)}, kOp, "b_scales[" + std::to_string(i) + "]", arg);
+    check_scaled_b(bs[i], a_shard, kOp, arg, "a_shard", "the last dim of a_shard");
+    any_rowwise |= check_b_scale(b_scales[i], bs[i], kOp, "b_scales[" + std::to_string(i) + "]", arg);
   }
   check_scales_supported(any_rowwise, a_shard.device(), kOp);
   const Group group = resolve_group(group_name, kOp);

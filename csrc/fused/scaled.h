@@ -12,6 +12,7 @@
 #include <torch/version.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fastmesh/checks.h"
@@ -49,6 +50,50 @@ inline void check_out_dtype(at::ScalarType out_dtype, const char* op) {
   TORCH_CHECK_TYPE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf, op,
                    ": out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got ",
                    torch_dtype_name(out_dtype));
+}
+
+// An FP8 matrix b ([K, N]) that multiplies `a` (K = a's last dim): dtype, device, rows. `rows_of` names K in
+// the message ("a's last dim").
+inline void check_scaled_b(const at::Tensor& b, const at::Tensor& a, const char* op, const std::string& b_arg,
+                           const char* a_arg, const char* rows_of) {
+  check_tensor(b, op, b_arg, kFp8Dtypes, 2, 2);
+  TORCH_CHECK_VALUE(b.device() == a.device(), op, ": ", b_arg, " must be on ", a_arg, "'s device ", a.device(),
+                    ", got ", b.device());
+  TORCH_CHECK_VALUE(b.size(0) == a.size(-1), op, ": ", b_arg, " must have ", a.size(-1), " rows (", rows_of,
+                    "), got shape ", b.sizes());
+}
+
+// The scale of an FP8 `a` ([..., K]): tensor-wise or one per row ([..., 1]). Returns whether it is row-wise.
+inline bool check_a_scale(const at::Tensor& a_scale, const at::Tensor& a, const char* op, const std::string& scale_arg,
+                          const std::string& a_arg) {
+  std::vector<int64_t> rowwise_sizes(a.sizes().begin(), a.sizes().end());
+  rowwise_sizes.back() = 1;
+  return check_scale(a_scale, a, std::move(rowwise_sizes), op, scale_arg, a_arg);
+}
+
+// The scale of an FP8 `b` ([K, N]): tensor-wise or one per column ([1, N]). Returns whether it is row-wise.
+inline bool check_b_scale(const at::Tensor& b_scale, const at::Tensor& b, const char* op, const std::string& scale_arg,
+                          const std::string& b_arg) {
+  return check_scale(b_scale, b, {1, b.size(1)}, op, scale_arg, b_arg);
+}
+
+// Which scales of a scaled multiply are row-wise.
+struct ScaleLayout {
+  bool a_rowwise;
+  bool b_rowwise;
+};
+
+// The FP8 operands of a scaled a @ b (a [..., K], b [K, N], each with its scale) and the product's out_dtype: the
+// checks every scaled op of one a and one b makes, before any transfer starts.
+inline ScaleLayout check_scaled_operands(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                                         const at::Tensor& b_scale, at::ScalarType out_dtype, const char* op) {
+  check_tensor(a, op, "a", kFp8Dtypes, 1);
+  check_scaled_b(b, a, op, "b", "a", "a's last dim");
+  const bool a_rowwise = check_a_scale(a_scale, a, op, "a_scale", "a");
+  const bool b_rowwise = check_b_scale(b_scale, b, op, "b_scale", "b");
+  check_scales_supported(a_rowwise || b_rowwise, a.device(), op);
+  check_out_dtype(out_dtype, op);
+  return {a_rowwise, b_rowwise};
 }
 
 // (a_rows * a_scale) @ (b * b_scale) in `out_dtype`, through torch._scaled_mm, which wants both scales

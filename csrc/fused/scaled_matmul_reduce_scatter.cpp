@@ -26,19 +26,10 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
                                         const at::Tensor& b_scale, int64_t scatter_dim, c10::string_view reduce_op,
                                         c10::string_view group_name, at::ScalarType out_dtype, int64_t pieces,
                                         c10::string_view split) {
-  check_tensor(a, kOp, "a", kFp8Dtypes, 1);
-  check_tensor(b, kOp, "b", kFp8Dtypes, 2, 2);
-  TORCH_CHECK_VALUE(b.device() == a.device(), kOp, ": b must be on a's device ", a.device(), ", got ", b.device());
-  TORCH_CHECK_VALUE(b.size(0) == a.size(-1), kOp, ": b must have ", a.size(-1), " rows (a's last dim), got shape ",
-                    b.sizes());
-  std::vector<int64_t> a_rowwise(a.sizes().begin(), a.sizes().end());
-  a_rowwise.back() = 1;
-  const bool a_rowwise_scale = check_scale(a_scale, a, a_rowwise, kOp, "a_scale", "a");
-  const bool b_rowwise_scale = check_scale(b_scale, b, {1, b.size(1)}, kOp, "b_scale", "b");
-  check_scales_supported(a_rowwise_scale || b_rowwise_scale, a.device(), kOp);
+  const ScaleLayout scales = check_scaled_operands(a, a_scale, b, b_scale, out_dtype, kOp);
+  const bool a_rowwise_scale = scales.a_rowwise, b_rowwise_scale = scales.b_rowwise;
   const int64_t dim = wrap_dim(scatter_dim, a.dim(), kOp, "scatter_dim", "a");
   check_reduce_op(reduce_op, kOp);
-  check_out_dtype(out_dtype, kOp);
   check_pieces(pieces, kOp);
   const pipeline::Split schedule = check_split(split, kOp);
   const Group group = resolve_group(group_name, kOp);

@@ -40,6 +40,7 @@ from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, chunked_gather, plans, traced_unfused
 from fastmesh.ops._checks import MATMUL_DTYPES, check_tensor, wrap_dim
 from fastmesh.ops._collectives import all_gather
+from fastmesh.ops._fp8_operands import check_config
 from fastmesh.ops._fused_common import (
     as_matrix,
     check_like,
@@ -55,7 +56,7 @@ from fastmesh.ops._fused_common import (
     scattered_shape,
 )
 from fastmesh.ops._library import library, qualified_name
-from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, check_config, matmul_reduce_scatter_fp8
+from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, matmul_reduce_scatter_fp8
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config

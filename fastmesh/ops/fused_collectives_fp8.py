@@ -34,6 +34,17 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.ops import plans
 from fastmesh.ops._checks import FP8_DTYPES, check_tensor, wrap_dim
+from fastmesh.ops._fp8_operands import (
+    check_a_scale,
+    check_b_scale,
+    check_out_dtype,
+    check_scaled_b,
+    check_scaled_operands,
+    dequantize,
+    quantize_columns,
+    quantize_rows,
+    scale_granularity,
+)
 from fastmesh.ops._fused_common import (
     as_matrix,
     check_pieces,
@@ -47,33 +58,15 @@ from fastmesh.ops._fused_common import (
     scattered_shape,
 )
 from fastmesh.ops._library import library, qualified_name
-from fastmesh.ops.fp8_quantize import quantize
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config
-
-OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-GRANULARITIES = ("tensorwise", "rowwise")
 
 _AG = "fastmesh::all_gather_scaled_matmul"
 _RS = "fastmesh::scaled_matmul_reduce_scatter"
 
 
-# ---- checks (the wording of csrc/fused/scaled.h and checks.h) ----
-
-
-def _check_scale(scale, data, rowwise_shape, op: str, arg: str, data_arg: str) -> None:
-    check_tensor(scale, op, arg, (torch.float32,), device=data.device, device_of=data_arg)
-    if scale.dim() > 0 and list(scale.shape) != list(rowwise_shape):
-        raise ValueError(
-            f"{op}: {arg} must be tensor-wise (shape []) or row-wise (shape {list(rowwise_shape)}), "
-            f"got shape {list(scale.shape)}"
-        )
-
-
-def _check_out_dtype(out_dtype, op: str) -> None:
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"{op}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
+# ---- checks (the wording of csrc/fused/all_gather_scaled_matmul.cpp, scaled_matmul_reduce_scatter.cpp) ----
 
 
 def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, pieces) -> int:
@@ -84,34 +77,23 @@ def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dty
             f"{_AG}: the FP8 form gathers rows: gather_dim must not be the last dim ({gather_dim} for "
             f"a_shard with {a_shard.dim()} dims), since ranks' scales cannot share a dot product"
         )
-    _check_scale(a_scale, a_shard, list(a_shard.shape[:-1]) + [1], _AG, "a_scale", "a_shard")
-    _check_out_dtype(out_dtype, _AG)
+    check_a_scale(a_scale, a_shard, _AG, "a_scale", "a_shard")
+    check_out_dtype(out_dtype, _AG)
     check_pieces(pieces, _AG)
     if not bs:
         raise ValueError(f"{_AG}: bs must hold at least one matrix, got an empty list")
     if len(b_scales) != len(bs):
         raise ValueError(f"{_AG}: b_scales must hold one scale per b ({len(bs)}), got {len(b_scales)}")
     for i, (b, s) in enumerate(zip(bs, b_scales)):
-        check_tensor(b, _AG, f"bs[{i}]", FP8_DTYPES, min_dim=2, max_dim=2, device=a_shard.device, device_of="a_shard")
-        if b.shape[0] != a_shard.shape[-1]:
-            raise ValueError(
-                f"{_AG}: bs[{i}] must have {a_shard.shape[-1]} rows (the last dim of a_shard), "
-                f"got shape {list(b.shape)}"
-            )
-        _check_scale(s, b, [1, b.shape[1]], _AG, f"b_scales[{i}]", f"bs[{i}]")
+        check_scaled_b(b, a_shard, _AG, f"bs[{i}]", "a_shard", "the last dim of a_shard")
+        check_b_scale(s, b, _AG, f"b_scales[{i}]", f"bs[{i}]")
     return dim
 
 
 def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, pieces) -> int:
-    check_tensor(a, _RS, "a", FP8_DTYPES, min_dim=1)
-    check_tensor(b, _RS, "b", FP8_DTYPES, min_dim=2, max_dim=2, device=a.device, device_of="a")
-    if b.shape[0] != a.shape[-1]:
-        raise ValueError(f"{_RS}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
-    _check_scale(a_scale, a, list(a.shape[:-1]) + [1], _RS, "a_scale", "a")
-    _check_scale(b_scale, b, [1, b.shape[1]], _RS, "b_scale", "b")
+    check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _RS)
     dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")
     check_reduce_op(reduce_op, _RS)
-    _check_out_dtype(out_dtype, _RS)
     check_pieces(pieces, _RS)
     check_scattered_divisible(a.shape, b.shape[1], dim, scatter_dim, world, _RS)
     return dim
@@ -143,10 +125,6 @@ def _scaled_matmul_reduce_scatter_fake(a, a_scale, b, b_scale, scatter_dim, redu
 # ---- kernels: a plan per call (fastmesh/ops/plans.py), then the C++ schedule ----
 
 
-def _granularity(scale: torch.Tensor) -> str:
-    return "rowwise" if scale.dim() > 0 else "tensorwise"
-
-
 def scaled_gather_plan_call(a_shard, a_scale, bs, dim: int, group_name: str, out_dtype) -> plans.Call:
     """The planner's view of an all_gather_scaled_matmul call (also asked by the compile pass)."""
     # One multiply over every rank's rows needs a scale per row: tensor-wise shards keep one multiply per rank.
@@ -157,7 +135,7 @@ def scaled_gather_plan_call(a_shard, a_scale, bs, dim: int, group_name: str, out
         a_shard,
         [b.shape[1] for b in bs],
         dim,
-        extra=(("a_scale", _granularity(a_scale)), ("out_dtype", str(out_dtype))),
+        extra=(("a_scale", scale_granularity(a_scale)), ("out_dtype", str(out_dtype))),
         allow_unfused=a_scale.dim() > 0,
     )
 
@@ -173,7 +151,7 @@ def scaled_scatter_plan_call(a, a_scale, b, b_scale, dim: int, group_name: str, 
         b.shape[1],
         dim,
         out_dtype,
-        extra=(("scales", f"{_granularity(a_scale)},{_granularity(b_scale)}"),),
+        extra=(("scales", f"{scale_granularity(a_scale)},{scale_granularity(b_scale)}"),),
         columns_pieces=a.device.type != "cuda",
     )
 
@@ -225,49 +203,14 @@ for _device in ("CPU", "CUDA"):
     library.impl("scaled_matmul_reduce_scatter", _scaled_matmul_reduce_scatter_kernel, _device)
 
 
-# ---- the fronts' fp8= option ----
-
-
-def check_config(config, op: str) -> Float8Config:
-    from fastmesh.fp8.config import Float8Config
-
-    if not isinstance(config, Float8Config):
-        raise TypeError(f"{op}: fp8 must be a fastmesh.fp8.Float8Config, got {type(config).__name__}")
-    if config.granularity not in GRANULARITIES:
-        raise ValueError(
-            f"{op}: fp8 granularity must be 'tensorwise' or 'rowwise' (the scale layouts "
-            f"torch._scaled_mm takes on every backend), got {config.granularity!r}"
-        )
-    if config.scaling != "current":
-        raise ValueError(
-            f"{op}: fp8= quantizes with current scaling; for delayed scaling quantize with your scales "
-            "and call torch.ops.fastmesh.all_gather_scaled_matmul / scaled_matmul_reduce_scatter"
-        )
-    return config
-
-
-def _quantize_rows(x: torch.Tensor, dtype: torch.dtype, config: Float8Config):
-    """x ([..., K]) quantized per row (or tensor-wise): data and scale in _scaled_mm's layout for its first operand."""
-    q = quantize(x.detach(), dtype=dtype, granularity=config.granularity, power_of_two=config.power_of_two)
-    return q.data, q.scale
-
-
-def _quantize_columns(b: torch.Tensor, dtype: torch.dtype, config: Float8Config):
-    """b ([K, N]) quantized per column (or tensor-wise): column-major data and a [1, N] (or 0-d) scale, the
-    layout _scaled_mm takes for its second operand."""
-    data, scale = _quantize_rows(b.t(), dtype, config)
-    return data.t(), scale.t()
-
-
-def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scale).to(dtype)
+# ---- the fronts' fp8= option (quantization and its config: _fp8_operands.py) ----
 
 
 class _Float8AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, group_name, gather_dim, pieces, return_a, a_shard, *bs):
-        a_data, a_scale = _quantize_rows(a_shard, config.dtype, config)
-        b_ops = [_quantize_columns(b, config.dtype, config) for b in bs]
+        a_data, a_scale = quantize_rows(a_shard, config.dtype, config)
+        b_ops = [quantize_columns(b, config.dtype, config) for b in bs]
         a_full, a_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
             a_data,
             a_scale,
@@ -285,7 +228,7 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
         ctx.mark_non_differentiable(a_full, a_full_scale)
         # An unused output (the gathered a, or one of several products) gets no gradient, not zeros.
         ctx.set_materialize_grads(False)
-        gathered = _dequantize(a_full, a_full_scale, a_shard.dtype) if return_a else None
+        gathered = dequantize(a_full, a_full_scale, a_shard.dtype) if return_a else None
         return (gathered, *outs)
 
     @staticmethod
@@ -299,8 +242,8 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
         elif ctx.needs_input_grad[5] and grads:
             grad_c, b_t = input_grad_operands(bs, grads)
             if ctx.config.backward_in_fp8:
-                g_data, g_scale = _quantize_rows(grad_c, ctx.config.grad_dtype, ctx.config)
-                bt_data, bt_scale = _quantize_columns(b_t, ctx.config.dtype, ctx.config)
+                g_data, g_scale = quantize_rows(grad_c, ctx.config.grad_dtype, ctx.config)
+                bt_data, bt_scale = quantize_columns(b_t, ctx.config.dtype, ctx.config)
                 grad_a = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
                     g_data, g_scale, bt_data, bt_scale, ctx.gather_dim, "sum", ctx.group_name, ctx.dtype, ctx.pieces
                 )
@@ -310,7 +253,7 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
                 )
         grad_bs = [None] * len(bs)
         if any(ctx.needs_input_grad[6:]):
-            a_hp = as_matrix(_dequantize(a_full, a_full_scale, ctx.dtype))
+            a_hp = as_matrix(dequantize(a_full, a_full_scale, ctx.dtype))
             for g, i in grads:
                 grad_bs[i] = a_hp.t() @ as_matrix(g)
         return (None, None, None, None, None, grad_a, *grad_bs)
@@ -319,8 +262,8 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
 class _Float8MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, group_name, scatter_dim, reduce_op, pieces, a, b):
-        a_data, a_scale = _quantize_rows(a, config.dtype, config)
-        b_data, b_scale = _quantize_columns(b, config.dtype, config)
+        a_data, a_scale = quantize_rows(a, config.dtype, config)
+        b_data, b_scale = quantize_columns(b, config.dtype, config)
         out = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
             a_data, a_scale, b_data, b_scale, scatter_dim, reduce_op, group_name, a.dtype, pieces
         )
@@ -346,14 +289,14 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
             grad_out = grad_out / group_size(ctx.group_name, _RS)
         grad_a = grad_b = grad_c = None
         if ctx.dgrad_in_fp8:
-            g_data, g_scale = _quantize_rows(grad_out, ctx.config.grad_dtype, ctx.config)
-            bt_data, bt_scale = _quantize_columns(b.t(), ctx.config.dtype, ctx.config)
+            g_data, g_scale = quantize_rows(grad_out, ctx.config.grad_dtype, ctx.config)
+            bt_data, bt_scale = quantize_columns(b.t(), ctx.config.dtype, ctx.config)
             g_full, g_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
                 g_data, g_scale, [bt_data], [bt_scale], ctx.scatter_dim, ctx.group_name, ctx.dtype, need_b, ctx.pieces
             )
             grad_a = outs[0] if need_a else None
             if need_b:
-                grad_c = _dequantize(g_full, g_full_scale, ctx.dtype)
+                grad_c = dequantize(g_full, g_full_scale, ctx.dtype)
         else:
             grad_c, (grad_a,) = torch.ops.fastmesh.all_gather_matmul(
                 grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.pieces

@@ -18,7 +18,7 @@ Autograd (``G`` the gradient of the replicated result, the same on every rank; `
 
 FP8 form ``fastmesh::scaled_matmul_all_reduce(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype)``:
 ``all_reduce((deq(a, a_scale) @ deq(b, b_scale)).to(out_dtype))`` with the scale layouts of
-``fused_collectives_fp8.py``; the front's ``fp8=`` quantizes (current scaling), its backward runs in the input
+``_fp8_operands.py``; the front's ``fp8=`` quantizes (current scaling), its backward runs in the input
 dtype. Plans (``docs/plans.md``): pieces of the product's rows, each all-reduced while the next is multiplied, or
 ``unfused``. Errors: TypeError / ValueError naming the argument, before any transfer, as ``csrc/fused/checks.h``.
 """
@@ -32,7 +32,14 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, plans, traced_unfused
-from fastmesh.ops._checks import FP8_DTYPES, MATMUL_DTYPES, check_tensor
+from fastmesh.ops._checks import MATMUL_DTYPES, check_tensor
+from fastmesh.ops._fp8_operands import (
+    check_config,
+    check_scaled_operands,
+    quantize_columns,
+    quantize_rows,
+    scale_granularity,
+)
 from fastmesh.ops._fused_common import (
     as_matrix,
     check_like,
@@ -43,14 +50,6 @@ from fastmesh.ops._fused_common import (
     resolve_pieces,
 )
 from fastmesh.ops._library import library, qualified_name
-from fastmesh.ops.fused_collectives_fp8 import (  # the FP8 forms' shared checks and quantization
-    _check_out_dtype,
-    _check_scale,
-    _granularity,
-    _quantize_columns,
-    _quantize_rows,
-    check_config,
-)
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config
@@ -70,14 +69,8 @@ def _check_matmul_all_reduce(a, b, reduce_op, pieces) -> None:
 
 
 def _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces) -> None:
-    check_tensor(a, _SOP, "a", FP8_DTYPES, min_dim=1)
-    check_tensor(b, _SOP, "b", FP8_DTYPES, min_dim=2, max_dim=2, device=a.device, device_of="a")
-    if b.shape[0] != a.shape[-1]:
-        raise ValueError(f"{_SOP}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
-    _check_scale(a_scale, a, list(a.shape[:-1]) + [1], _SOP, "a_scale", "a")
-    _check_scale(b_scale, b, [1, b.shape[1]], _SOP, "b_scale", "b")
+    check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _SOP)
     check_reduce_op(reduce_op, _SOP)
-    _check_out_dtype(out_dtype, _SOP)
     check_pieces(pieces, _SOP)
 
 
@@ -102,13 +95,15 @@ def _scaled_matmul_all_reduce_fake(a, a_scale, b, b_scale, reduce_op, group_name
 
 def plan_call(a, b, group_name: str) -> plans.Call:
     """The planner's view of a matmul_all_reduce call (also asked under compile, on fake tensors)."""
-    return plans.all_reduce_call(_OP, resolve_group(group_name, _OP), group_name, a, b.shape[1], a.dtype)
+    return plans.product_call(_OP, "all_reduce", resolve_group(group_name, _OP), group_name, a, b.shape[1], a.dtype)
 
 
 def scaled_plan_call(a, a_scale, b, b_scale, group_name: str, out_dtype) -> plans.Call:
     """The planner's view of a scaled_matmul_all_reduce call."""
-    scales = (("scales", f"{_granularity(a_scale)},{_granularity(b_scale)}"),)
-    return plans.all_reduce_call(_SOP, resolve_group(group_name, _SOP), group_name, a, b.shape[1], out_dtype, scales)
+    scales = (("scales", f"{scale_granularity(a_scale)},{scale_granularity(b_scale)}"),)
+    return plans.product_call(
+        _SOP, "all_reduce", resolve_group(group_name, _SOP), group_name, a, b.shape[1], out_dtype, scales
+    )
 
 
 def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
@@ -180,8 +175,8 @@ class _Float8MatmulAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, config, group_name, reduce_op, pieces, a, b):
-        a_data, a_scale = _quantize_rows(a, config.dtype, config)
-        b_data, b_scale = _quantize_columns(b, config.dtype, config)
+        a_data, a_scale = quantize_rows(a, config.dtype, config)
+        b_data, b_scale = quantize_columns(b, config.dtype, config)
         ctx.avg, ctx.group_name = reduce_op == "avg", group_name
         ctx.save_for_backward(a, b)
         return torch.ops.fastmesh.scaled_matmul_all_reduce(

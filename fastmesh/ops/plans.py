@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -100,13 +99,31 @@ class Call:
     shape: plan_model.Shape
     candidates: tuple  # Plans this call can run
 
-    @functools.cached_property
+    @property
     def key(self) -> str:
-        device = self.device.type
-        if device == "cuda":
-            with contextlib.suppress(RuntimeError, AssertionError):  # a fake CUDA tensor on a machine without one
-                device += ":" + torch.cuda.get_device_name(self.device)
-        return "|".join([self.op, self.backend, device] + [f"{name}={value}" for name, value in self.fields])
+        # Computed once per Call, kept beside the fields (functools.cached_property takes a lock per access on
+        # Python < 3.12: a measurable part of a planned call's overhead).
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = "|".join([self.op, self.backend, _device_key(self.device)] + [f"{n}={v}" for n, v in self.fields])
+            self.__dict__["_key"] = key
+        return key
+
+
+_gpu_names: dict[torch.device, str] = {}
+
+
+def _device_key(device: torch.device) -> str:
+    """A key's device: the type, and for CUDA the GPU's name (plans measured on one GPU model hold for it)."""
+    if device.type != "cuda":
+        return device.type
+    name = _gpu_names.get(device)
+    if name is None:
+        try:
+            name = _gpu_names[device] = "cuda:" + torch.cuda.get_device_name(device)
+        except (RuntimeError, AssertionError):  # a fake CUDA tensor on a machine without one
+            return "cuda"
+    return name
 
 
 def backend_of(group, device: torch.device) -> str:
@@ -129,6 +146,53 @@ def _rows_around(t: torch.Tensor, dim: int) -> tuple[int, int]:
     return math.prod(t.shape[:dim]), math.prod(t.shape[:-1])
 
 
+def _call(
+    op: str,
+    kind: str,
+    group,
+    group_name: str,
+    a: torch.Tensor,
+    candidates: list,
+    *,
+    rows: int,
+    ns,
+    comm_bytes: int,
+    outer: int = 1,
+    last: bool = False,
+    operands: tuple = (),
+    results: tuple = (),
+    extra: tuple = (),
+) -> Call:
+    """The Call of a fused ``op`` whose multiplied operand on this rank is ``a`` (its last dim the contraction):
+    the model's Shape of ``kind`` and the key's fields (``operands`` after a's shape, ``results`` after its
+    dtype, ``extra`` last)."""
+    world = group.size()
+    shape = plan_model.Shape(
+        kind,
+        world,
+        rows,
+        a.shape[-1],
+        tuple(ns),
+        outer,
+        last,
+        comm_bytes,
+        a.element_size(),
+        _dtype_name(a.dtype),
+        threads(a.device),
+        a.device.type,
+    )
+    fields = (
+        ("a", list(a.shape)),
+        *operands,
+        ("dtype", str(a.dtype)),
+        *results,
+        ("world", world),
+        ("threads", shape.threads),
+        *extra,
+    )
+    return Call(op, group_name, backend_of(group, a.device), a.device, fields, shape, tuple(candidates))
+
+
 def gather_call(
     op: str,
     group,
@@ -142,7 +206,6 @@ def gather_call(
 ) -> Call:
     """The Call of an all-gather + matmul of ``a_shard`` along ``dim`` by bs (of a_shard's dtype) of ``ns``
     columns."""
-    world = group.size()
     last = dim == a_shard.dim() - 1
     outer, shard_rows = _rows_around(a_shard, dim)
     units = outer if outer > 1 else shard_rows
@@ -151,29 +214,21 @@ def gather_call(
         candidates.append(UNFUSED)
     if consumer_gemm:
         candidates.append(Plan("consumer_gemm", 0))
-    shape = plan_model.Shape(
+    return _call(
+        op,
         "all_gather",
-        world,
-        shard_rows,
-        a_shard.shape[-1],
-        tuple(ns),
-        outer,
-        last,
-        a_shard.element_size(),
-        a_shard.element_size(),
-        _dtype_name(a_shard.dtype),
-        threads(a_shard.device),
-        a_shard.device.type,
+        group,
+        group_name,
+        a_shard,
+        candidates,
+        rows=shard_rows,
+        ns=ns,
+        comm_bytes=a_shard.element_size(),
+        outer=outer,
+        last=last,
+        operands=(("ns", list(ns)), ("dim", dim)),
+        extra=extra,
     )
-    fields = (
-        ("a", list(a_shard.shape)),
-        ("ns", list(ns)),
-        ("dim", dim),
-        ("dtype", str(a_shard.dtype)),
-        ("world", world),
-        ("threads", shape.threads),
-    ) + extra
-    return Call(op, group_name, backend_of(group, a_shard.device), a_shard.device, fields, shape, tuple(candidates))
 
 
 def scatter_call(
@@ -198,63 +253,46 @@ def scatter_call(
     if columns_pieces:
         candidates += [Plan("columns", p) for p in plan_model.pieces_up_to(block_cols) if p > 1]
     candidates.append(UNFUSED)
-    shape = plan_model.Shape(
+    return _call(
+        op,
         "reduce_scatter",
-        world,
-        rows,
-        a.shape[-1],
-        (n,),
-        outer,
-        last,
-        out_dtype.itemsize,
-        a.element_size(),
-        _dtype_name(a.dtype),
-        threads(a.device),
-        a.device.type,
+        group,
+        group_name,
+        a,
+        candidates,
+        rows=rows,
+        ns=(n,),
+        comm_bytes=out_dtype.itemsize,
+        outer=outer,
+        last=last,
+        operands=(("n", n), ("dim", dim)),
+        results=(("out_dtype", str(out_dtype)),),
+        extra=extra,
     )
-    fields = (
-        ("a", list(a.shape)),
-        ("n", n),
-        ("dim", dim),
-        ("dtype", str(a.dtype)),
-        ("out_dtype", str(out_dtype)),
-        ("world", world),
-        ("threads", shape.threads),
-    ) + extra
-    return Call(op, group_name, backend_of(group, a.device), a.device, fields, shape, tuple(candidates))
 
 
-def all_reduce_call(
-    op: str, group, group_name: str, a: torch.Tensor, n: int, out_dtype: torch.dtype, extra: tuple = ()
+def product_call(
+    op: str, kind: str, group, group_name: str, a: torch.Tensor, n: int, out_dtype: torch.dtype, extra: tuple = ()
 ) -> Call:
-    """The Call of a matmul + all-reduce of ``a @ b`` (``b`` of ``n`` columns; the product in ``out_dtype``):
-    pieces of the product's rows (one piece is the unfused plan)."""
-    world = group.size()
+    """The Call of a matmul whose whole product ``a @ b`` (``b`` of ``n`` columns; in ``out_dtype``) then travels:
+    ``kind`` ``"all_reduce"`` (matmul + all-reduce) or ``"product_all_gather"`` (matmul + all-gather of the
+    product's columns). Pieces of the product's rows; one piece is the unfused plan."""
     rows = math.prod(a.shape[:-1])
     candidates = [Plan("rows", p) for p in plan_model.pieces_up_to(rows) if p > 1] + [UNFUSED]
-    shape = plan_model.Shape(
-        "all_reduce",
-        world,
-        rows,
-        a.shape[-1],
-        (n,),
-        1,
-        False,
-        out_dtype.itemsize,
-        a.element_size(),
-        _dtype_name(a.dtype),
-        threads(a.device),
-        a.device.type,
+    return _call(
+        op,
+        kind,
+        group,
+        group_name,
+        a,
+        candidates,
+        rows=rows,
+        ns=(n,),
+        comm_bytes=out_dtype.itemsize,
+        operands=(("n", n),),
+        results=(("out_dtype", str(out_dtype)),) if out_dtype != a.dtype else (),
+        extra=extra,
     )
-    fields = (
-        ("a", list(a.shape)),
-        ("n", n),
-        ("dtype", str(a.dtype)),
-        *((("out_dtype", str(out_dtype)),) if out_dtype != a.dtype else ()),
-        ("world", world),
-        ("threads", shape.threads),
-    ) + extra
-    return Call(op, group_name, backend_of(group, a.device), a.device, fields, shape, tuple(candidates))
 
 
 # ---- the decision ----
@@ -391,8 +429,9 @@ def decide(
     key = call.key
     with _lock:
         agreed = _agreed.get(key)
-    if agreed is not None:
-        return _remember(call, agreed, note)
+    if agreed is not None:  # the common case, once per call: no log (said when it was agreed), no exchange
+        _last[call.op] = (key, agreed)
+        return agreed
     if _capturing(call.device):  # no collective, no timing: the model's plan is the same on every rank
         return _remember(call, _model(call), note)
     cached = _cached(call)
@@ -436,10 +475,22 @@ def _remember(call: Call, decision: Decision, note: str = "") -> Decision:
         "%s [%s]: plan %s%s",
         call.op,
         key,
-        decision.describe(),
+        _Described(decision),
         f" {note}" if note else "",
     )
     return decision
+
+
+class _Described:
+    """``decision.describe()`` when a log record is formatted: not on every call that logs nothing."""
+
+    __slots__ = ("decision",)
+
+    def __init__(self, decision: Decision):
+        self.decision = decision
+
+    def __str__(self) -> str:
+        return self.decision.describe()
 
 
 def has_static_shape(*tensors) -> bool:

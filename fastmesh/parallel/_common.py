@@ -9,8 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from fastmesh.ops._fp8_operands import OUT_DTYPES, check_config
 from fastmesh.ops._fused_common import check_pieces, resolve_pieces
-from fastmesh.ops.fused_collectives_fp8 import OUT_DTYPES, check_config
 
 
 def check_sequence_placement(placement, style: str, arg: str, allow_replicate: bool) -> Placement:
