@@ -48,7 +48,6 @@ from fastmesh.ops import plans
 from fastmesh.ops._collectives import all_gather_into, reduce_scatter_into
 
 E4M3 = torch.float8_e4m3fn
-_OP_CODES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}  # float8: out dtype
 FP8_GRANULARITIES = ("rowwise", "tensorwise")
 # assert_close (rtol, atol) for unit-scale outputs. fp32: a different blocking of the same dot products. bf16 (and
@@ -116,7 +115,7 @@ class Spec:
         repeated = len(self.ns) > 1 and len(set(self.ns)) == 1
         ns = f"{len(self.ns)}x{self.ns[0]}" if repeated else ",".join(map(str, self.ns))
         pieces = f" pieces={self.pieces}" if self.pieces else ""
-        dim = "" if self.op == "matmul_all_reduce" else f" d{self.dim}"
+        dim = f" d{self.dim}" if _KIND_OF_OP[self.op].HAS_DIM else ""
         return f"{self.op} [{', '.join(map(str, self.shape))}]{dim} N={ns}{pieces}"
 
 
@@ -124,38 +123,41 @@ def parse_spec(spec: str, world: int = 2, family: str = "fused_collectives") -> 
     """A ``--case`` spec of ``family`` (see the module docstring); ValueError says the expected form."""
     try:
         fields = spec.split(":")
-        if fields[0] == "ar":  # no dim: the product is reduced whole
+        kind = _KINDS[fields[0]]
+        if not kind.HAS_DIM:  # the product moves whole
             fields.insert(2, "-1")
-        code, shape, dim, ns, *pieces = fields
+        _, shape, dim, ns, *pieces = fields
         if len(pieces) > 1:
             raise ValueError
         parsed = Spec(
-            _OP_CODES[code],
+            kind.OP,
             tuple(int(s) for s in shape.split("x")),
             int(dim),
             tuple(int(n) for n in ns.split(",")),
             int(pieces[0]) if pieces else 0,
         )
     except (KeyError, ValueError):
-        raise ValueError(
-            f'{family} case {spec!r}: expected "ag|rs:DxDx..:dim:N[,N..][:PIECES]" or "ar:DxDx..:N[:PIECES]", '
-            'e.g. "ag:2048x4096:0:384", "ag:2048x4096:0:384:4" or "ar:4096x256:1024"'
-        ) from None
+        raise ValueError(f"{family} case {spec!r}: expected {_spec_forms()}") from None
     ndim = len(parsed.shape)
     if parsed.pieces < 0:
         raise ValueError(f"{family} case {spec!r}: PIECES must be >= 0 (0: the op's automatic count)")
     if ndim < 2 or not -ndim <= parsed.dim < ndim or min(parsed.shape + parsed.ns) <= 0:
         raise ValueError(f"{family} case {spec!r}: the shape needs >= 2 positive dims and dim in [{-ndim}, {ndim})")
-    if parsed.op != "all_gather_matmul" and len(parsed.ns) != 1:
+    if not kind.MANY_BS and len(parsed.ns) != 1:
         raise ValueError(f"{family} case {spec!r}: {parsed.op} takes one b")
-    if parsed.op == "matmul_reduce_scatter":
-        out_shape = parsed.shape[:-1] + parsed.ns
-        if out_shape[parsed.dim] % world:
-            raise ValueError(
-                f"{family} case {spec!r}: the scattered dim ({out_shape[parsed.dim]}) must be "
-                f"divisible by the {world} ranks"
-            )
+    problem = kind.spec_problem(parsed, world)
+    if problem:
+        raise ValueError(f"{family} case {spec!r}: {problem}")
     return parsed
+
+
+def _spec_forms() -> str:
+    """The case forms, from the kinds: e.g. ``"ag|rs:DxDx..:dim:N[,N..][:PIECES]" or "ar:DxDx..:N[:PIECES]"``."""
+    with_dim = "|".join(code for code, kind in _KINDS.items() if kind.HAS_DIM)
+    without_dim = "|".join(code for code, kind in _KINDS.items() if not kind.HAS_DIM)
+    forms = [f'"{with_dim}:DxDx..:dim:N[,N..][:PIECES]"'] if with_dim else []
+    forms += [f'"{without_dim}:DxDx..:N[:PIECES]"'] if without_dim else []
+    return " or ".join(forms) + ', e.g. "ag:2048x4096:0:384", "ag:2048x4096:0:384:4" or "ar:4096x256:1024"'
 
 
 def _random(shape, dtype, seed, device, scale=1.0):
@@ -204,14 +206,69 @@ def _scaled_mm(a2d, a_scale, b, b_scale, out):
     return torch._scaled_mm(a2d, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out.dtype, out=out)
 
 
-class _Gather:
+class _Runner:
+    """The contenders of one case: one subclass per kind of case (op).
+
+    A kind sets ``CODE`` (the spec's prefix), ``OP`` (``Spec.op``, the fastmesh front), ``FUSED_OPS`` (the
+    ``torch.ops.fastmesh`` names of its high-precision and FP8 ops: the plan that ``plan_taken`` reports),
+    ``HAS_DIM`` (whether the spec names a gathered / scattered dim) and ``MANY_BS`` (whether it takes several b),
+    and defines the contenders ``fastmesh``, ``unfused``, ``comm``, ``matmul``, ``p2p`` and ``symm_mem`` (None
+    where torch has no such fused op), and ``flops`` and ``comm_bytes``. Register it in ``_KINDS``.
+    """
+
+    CODE: str
+    OP: str
+    FUSED_OPS: tuple[str, str]  # (high precision, FP8)
+    HAS_DIM = True
+    MANY_BS = False
+    symm_mem = None
+
+    def __init__(self, spec, dtype_name, granularity, group):
+        self.spec, self.group, self.world, self.rank = spec, group, group.size(), group.rank()
+        self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
+        self.fp8 = granularity is not None
+        self.fused_op = self.FUSED_OPS[self.fp8]
+
+    @classmethod
+    def spec_problem(cls, spec: Spec, world: int) -> str | None:
+        """Why ``spec`` cannot run on ``world`` ranks (beyond the checks every kind shares), or None."""
+        return None
+
+    def atol_factor(self, dtype_name: str) -> int:
+        """How many times its unit-scale atol (``_TOLERANCES``) the fused result may differ by."""
+        return 1
+
+    def check(self, dtype_name, candidate=None):
+        """``candidate`` (default: the fused op) against the unfused sequence."""
+        candidate = candidate or self.fastmesh
+        got = candidate()
+        several = isinstance(got, (list, tuple))  # one output per b
+        got = [t.clone() for t in got] if several else [got.clone()]
+        want = self.unfused()
+        want = list(want) if several else [want]
+        rtol, atol = _TOLERANCES[dtype_name]
+        atol *= self.atol_factor(dtype_name)
+        for i, (g, w) in enumerate(zip(got, want)):
+            output = f", output {i}" if several else ""
+            torch.testing.assert_close(
+                g,
+                w,
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, output=output: f"rank {self.rank}, {self.label}, {candidate.__name__}{output}: {m}",
+            )
+
+
+class _Gather(_Runner):
     """all_gather_matmul contenders of one case."""
 
+    CODE, OP = "ag", "all_gather_matmul"
+    FUSED_OPS = ("fastmesh::all_gather_matmul", "fastmesh::all_gather_scaled_matmul")
+    MANY_BS = True
+
     def __init__(self, spec, dtype_name, granularity, group, device):
-        world, rank = group.size(), group.rank()
-        self.spec, self.group, self.world, self.rank = spec, group, world, rank
-        self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
-        self.fused_op = "fastmesh::all_gather_scaled_matmul" if granularity else "fastmesh::all_gather_matmul"
+        super().__init__(spec, dtype_name, granularity, group)
+        world, rank = self.world, self.rank
         self.all_gather = all_gather_into
         dtype = TORCH_DTYPES[dtype_name]
         self.dim = spec.dim % len(spec.shape)
@@ -222,7 +279,6 @@ class _Gather:
         self.full_shape = list(spec.shape)
         self.full_shape[self.dim] *= world
         self.outs = [torch.empty((*self.full_shape[:-1], n), dtype=dtype, device=device) for n in spec.ns]
-        self.fp8 = granularity is not None
         if self.fp8:
             data, scale = _fp8_rows(a_shard, granularity)
             if granularity == "tensorwise":
@@ -308,43 +364,57 @@ class _Gather:
     def p2p(self):
         exchange(self.group, [self.shard] * self.world, self.received)
 
-    def check(self, dtype_name, candidate=None):
-        """``candidate`` (default: the fused op) against the unfused sequence."""
-        candidate = candidate or self.fastmesh
-        got = [t.clone() for t in candidate()]
-        want = self.unfused()
-        rtol, atol = _TOLERANCES[dtype_name]
-        if self.dim == len(self.spec.shape) - 1 and dtype_name != "float32":
-            atol *= self.world  # K split over ranks: partial products rounded per rank
-        for i, (g, w) in enumerate(zip(got, want)):
-            torch.testing.assert_close(
-                g,
-                w,
-                rtol=rtol,
-                atol=atol,
-                msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}, output {i}: {m}",
-            )
+    def atol_factor(self, dtype_name):
+        # K split over ranks (the last dim gathered): partial products rounded per rank
+        return self.world if self.dim == len(self.spec.shape) - 1 and dtype_name != "float32" else 1
 
     def symm_mem(self):
         return torch.ops.symm_mem.fused_all_gather_matmul(self.shard, self.bs, self.dim, self.group.group_name)
 
 
-class _Scatter:
-    """matmul_reduce_scatter contenders of one case."""
+class _Product(_Runner):
+    """A kind whose ranks multiply their own ``a [..., K]`` by their own ``b [K, N]`` into ``c`` and then move
+    the product (the row-parallel linear: the products are summed over the ranks). Its ``matmul`` is that
+    multiply (FP8: a per row, b per column, bf16 out)."""
 
     def __init__(self, spec, dtype_name, granularity, group, device):
-        world, rank = group.size(), group.rank()
-        self.spec, self.group, self.world, self.rank = spec, group, world, rank
-        self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
-        self.fused_op = "fastmesh::scaled_matmul_reduce_scatter" if granularity else "fastmesh::matmul_reduce_scatter"
-        self.reduce_scatter = reduce_scatter_into
+        super().__init__(spec, dtype_name, granularity, group)
         dtype = TORCH_DTYPES[dtype_name]
         (n,) = spec.ns
         k = spec.shape[-1]
-        a = _random(spec.shape, dtype, 1000 + rank, device)
+        self.a = _random(spec.shape, dtype, 1000 + self.rank, device)
         # Each rank holds its own rows of the weight; scaled so that the sum over ranks is unit-scale.
-        b = _random((k, n), dtype, 3000 + rank, device, (k * world) ** -0.5)
+        self.b = _random((k, n), dtype, 3000 + self.rank, device, (k * self.world) ** -0.5)
+        if self.fp8:
+            self.a_ops, self.b_ops = _fp8_rows(self.a, granularity), _fp8_columns(self.b, granularity)
         self.c = torch.empty((*spec.shape[:-1], n), dtype=dtype, device=device)
+        self.flops = 2 * self.c.numel() * k
+
+    def matmul(self):
+        if not self.fp8:
+            return torch.matmul(self.a, self.b, out=self.c)
+        (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
+        rows = a.reshape(-1, a.shape[-1])
+        scale = a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1)
+        _scaled_mm(rows, scale, b, b_scale, self.c.view(-1, self.c.shape[-1]))
+        return self.c
+
+    def atol_factor(self, dtype_name):
+        # gloo's reductions round after every addition (and fastmesh's pieces may sum in another order); the
+        # fused reduce-scatter sums in fp32 and rounds once
+        return self.world if dtype_name != "float32" else 1
+
+
+class _Scatter(_Product):
+    """matmul_reduce_scatter contenders of one case."""
+
+    CODE, OP = "rs", "matmul_reduce_scatter"
+    FUSED_OPS = ("fastmesh::matmul_reduce_scatter", "fastmesh::scaled_matmul_reduce_scatter")
+
+    def __init__(self, spec, dtype_name, granularity, group, device):
+        super().__init__(spec, dtype_name, granularity, group, device)
+        world, dtype = self.world, self.c.dtype
+        self.reduce_scatter = reduce_scatter_into
         self.dim = spec.dim % self.c.dim()
         out_shape = list(self.c.shape)
         out_shape[self.dim] //= world
@@ -352,15 +422,16 @@ class _Scatter:
         self.send = (
             self.c if self.dim == 0 else torch.empty((world * out_shape[0], *out_shape[1:]), dtype=dtype, device=device)
         )
-        self.comm_send = _random(self.send.shape, dtype, 4000 + rank, device)
+        self.comm_send = _random(self.send.shape, dtype, 4000 + self.rank, device)
         self.partials = list(torch.empty_like(self.comm_send).chunk(world))
-        self.fp8 = granularity is not None
-        if self.fp8:
-            self.a_ops, self.b_ops = _fp8_rows(a, granularity), _fp8_columns(b, granularity)
-        else:
-            self.a, self.b = a, b
-        self.flops = 2 * self.c.numel() * k
         self.comm_bytes = self.send.numel() * self.send.element_size()
+
+    @classmethod
+    def spec_problem(cls, spec, world):
+        scattered = (spec.shape[:-1] + spec.ns)[spec.dim]
+        if scattered % world:
+            return f"the scattered dim ({scattered}) must be divisible by the {world} ranks"
+        return None
 
     def fastmesh(self):
         if self.fp8:
@@ -371,21 +442,6 @@ class _Scatter:
         return fastmesh.matmul_reduce_scatter(
             self.a, self.b, self.spec.dim, group=self.group, pieces=self.spec.pieces or None
         )
-
-    def matmul(self):
-        if self.fp8:
-            (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
-            rows = a.reshape(-1, a.shape[-1])
-            _scaled_mm(
-                rows,
-                a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1),
-                b,
-                b_scale,
-                self.c.view(-1, self.c.shape[-1]),
-            )
-        else:
-            torch.matmul(self.a, self.b, out=self.c)
-        return self.c
 
     def comm(self):
         self.reduce_scatter(self.out, self.comm_send, group=self.group)
@@ -406,44 +462,21 @@ class _Scatter:
     def p2p(self):
         exchange(self.group, list(self.comm_send.chunk(self.world)), self.partials)
 
-    def check(self, dtype_name, candidate=None):
-        """``candidate`` (default: the fused op) against the unfused sequence."""
-        candidate = candidate or self.fastmesh
-        got = candidate().clone()
-        want = self.unfused()
-        rtol, atol = _TOLERANCES[dtype_name]
-        if dtype_name != "float32":
-            # gloo's reduce-scatter rounds after every addition, the fused op sums in fp32 and rounds once
-            atol *= self.world
-        torch.testing.assert_close(
-            got, want, rtol=rtol, atol=atol, msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}: {m}"
-        )
-
     def symm_mem(self):
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(self.a, self.b, "sum", self.dim, self.group.group_name)
 
 
-class _AllReduce:
+class _AllReduce(_Product):
     """matmul_all_reduce contenders of one case (FP8: ``scaled_matmul_all_reduce``, bf16 out). fastmesh moves the
     product with the group's own all-reduce on every backend, so ``p2p`` is that all-reduce too."""
 
+    CODE, OP = "ar", "matmul_all_reduce"
+    FUSED_OPS = ("fastmesh::matmul_all_reduce", "fastmesh::scaled_matmul_all_reduce")
+    HAS_DIM = False  # the product is reduced whole
+
     def __init__(self, spec, dtype_name, granularity, group, device):
-        world, rank = group.size(), group.rank()
-        self.spec, self.group, self.world, self.rank = spec, group, world, rank
-        self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
-        self.fp8 = granularity is not None
-        self.fused_op = "fastmesh::scaled_matmul_all_reduce" if self.fp8 else "fastmesh::matmul_all_reduce"
-        dtype = TORCH_DTYPES[dtype_name]
-        (n,) = spec.ns
-        k = spec.shape[-1]
-        self.a = _random(spec.shape, dtype, 1000 + rank, device)
-        # Each rank holds its own rows of the weight; scaled so that the sum over ranks is unit-scale.
-        self.b = _random((k, n), dtype, 3000 + rank, device, (k * world) ** -0.5)
-        if self.fp8:
-            self.a_ops, self.b_ops = _fp8_rows(self.a, granularity), _fp8_columns(self.b, granularity)
-        self.c = torch.empty((*spec.shape[:-1], n), dtype=dtype, device=device)
+        super().__init__(spec, dtype_name, granularity, group, device)
         self.zeros = torch.zeros_like(self.c)  # what comm() reduces: zeros stay zeros however often it runs
-        self.flops = 2 * self.c.numel() * k
         self.comm_bytes = self.c.numel() * self.c.element_size()
 
     def fastmesh(self):
@@ -454,15 +487,6 @@ class _AllReduce:
             )
         return fastmesh.matmul_all_reduce(self.a, self.b, group=self.group, pieces=self.spec.pieces or None)
 
-    def matmul(self):
-        if not self.fp8:
-            return torch.matmul(self.a, self.b, out=self.c)
-        (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
-        rows = a.reshape(-1, a.shape[-1])
-        scale = a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1)
-        _scaled_mm(rows, scale, b, b_scale, self.c.view(-1, self.c.shape[-1]))
-        return self.c
-
     def comm(self):
         dist.all_reduce(self.zeros, group=self.group)
 
@@ -472,21 +496,11 @@ class _AllReduce:
         dist.all_reduce(self.matmul(), group=self.group)
         return self.c
 
-    def check(self, dtype_name, candidate=None):
-        candidate = candidate or self.fastmesh
-        got = candidate().clone()
-        want = self.unfused()
-        rtol, atol = _TOLERANCES[dtype_name]
-        if dtype_name != "float32":
-            atol *= self.world  # the all-reduce's pieces may sum in another order
-        torch.testing.assert_close(
-            got, want, rtol=rtol, atol=atol, msg=lambda m: f"rank {self.rank}, {self.label}, {candidate.__name__}: {m}"
-        )
-
-    symm_mem = None  # torch's symm_mem has no fused matmul + all-reduce
+    # symm_mem: None (torch's symm_mem has no fused matmul + all-reduce)
 
 
-_RUNNERS = {"all_gather_matmul": _Gather, "matmul_reduce_scatter": _Scatter, "matmul_all_reduce": _AllReduce}
+_KINDS = {kind.CODE: kind for kind in (_Gather, _Scatter, _AllReduce)}  # the spec's prefix: its kind
+_KIND_OF_OP = {kind.OP: kind for kind in _KINDS.values()}
 
 
 def _symm_mem_note(ctx: Context, runner) -> str | None:
@@ -562,7 +576,7 @@ def run(ctx: Context) -> None:
         if reason:
             ctx.note(reason)
             continue
-        runner = _RUNNERS[spec.op](spec, dtype_name, granularity, ctx.group, ctx.device)
+        runner = _KIND_OF_OP[spec.op](spec, dtype_name, granularity, ctx.group, ctx.device)
         runner.check(dtype_name)
         candidates = {"fastmesh": runner.fastmesh, "unfused": runner.unfused}
         symm_note = _symm_mem_note(ctx, runner)
