@@ -2,13 +2,14 @@
 
 For each op, dtype and shape, the contenders run round-robin (interleaved rounds, after warm-up):
 
-* ``fastmesh``: ``fastmesh.all_gather_matmul`` / ``fastmesh.matmul_reduce_scatter`` / ``fastmesh.matmul_all_reduce``;
+* ``fastmesh``: ``fastmesh.all_gather_matmul`` / ``matmul_reduce_scatter`` / ``matmul_all_reduce`` /
+  ``matmul_all_gather``;
   for ``float8`` ``torch.ops.fastmesh.all_gather_scaled_matmul`` / ``scaled_matmul_reduce_scatter`` on FP8 data
   with tensor-wise or row-wise scales, bf16 out;
 * ``unfused`` (baseline): the c10d all-gather then ``matmul`` per b / ``matmul`` then the c10d reduce-scatter /
-  ``matmul`` then the c10d all-reduce (FP8: the FP8 bytes and their row-wise scales gathered, then
-  ``torch._scaled_mm``), into preallocated outputs, plus the block-reordering copy c10d needs when the
-  gathered / scattered dim is not 0;
+  ``matmul`` then the c10d all-reduce / ``matmul`` then the c10d all-gather (FP8: the FP8 bytes and their
+  row-wise scales gathered, then ``torch._scaled_mm``), into preallocated outputs, plus the block-reordering copy
+  c10d needs when the gathered / scattered dim is not 0 (the product's columns: always);
 * ``symm_mem`` (baseline, on two or more CUDA GPUs): PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul``
   / ``fused_matmul_reduce_scatter`` with symmetric memory enabled for the group;
 * ``comm`` and ``matmul`` (parts): the collective alone and the multiplies alone, same sizes;
@@ -29,7 +30,8 @@ matmul_reduce_scatter), this rank's ``a_shard`` (ag) or ``a`` (rs) shape, the ga
 columns of each b (several for ag: ``256,256,256``), and optionally the fused op's piece count (``:4``; default:
 its automatic choice), to compare piece counts case by case. ``ar:4096x256:1024[:PIECES]``: matmul_all_reduce of
 this rank's ``a`` (its last dim this rank's part of the contraction) by a ``[K, 1024]`` b, no dim (FP8:
-``torch.ops.fastmesh.scaled_matmul_all_reduce``).
+``torch.ops.fastmesh.scaled_matmul_all_reduce``). ``mg:4096x256:1024[:PIECES]``: matmul_all_gather of ``a`` by
+this rank's ``[K, 1024]`` columns, the products gathered along the columns (no FP8 form).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ FULL_CASES = {
         "ar:4096x256:1024",
         "ar:2048x1024:2048",
         "ar:4x512x512:1024",
+        "mg:2048x1024:1024",
+        "mg:4x512x512:2048",
     ],
     "bfloat16": [
         "ag:2048x4096:0:48",
@@ -86,6 +90,8 @@ FULL_CASES = {
         "ar:4096x128:1024",
         "ar:4096x256:1024",
         "ar:4x1024x128:1024",
+        "mg:4096x256:1024",
+        "mg:4x1024x128:2048",
     ],
     "float8": [
         "ag:2048x4096:0:16",
@@ -97,8 +103,14 @@ FULL_CASES = {
     ],
 }
 QUICK_CASES = {
-    "float32": ["ag:1024x2048:0:512", "ag:2x256x2048:1:128,128,128", "rs:2048x512:0:2048", "ar:1024x256:512"],
-    "bfloat16": ["ag:1024x2048:0:128", "rs:2048x128:0:2048", "ar:1024x128:512"],
+    "float32": [
+        "ag:1024x2048:0:512",
+        "ag:2x256x2048:1:128,128,128",
+        "rs:2048x512:0:2048",
+        "ar:1024x256:512",
+        "mg:1024x256:512",
+    ],
+    "bfloat16": ["ag:1024x2048:0:128", "rs:2048x128:0:2048", "ar:1024x128:512", "mg:1024x128:512"],
     "float8": ["ag:1024x2048:0:32", "rs:2048x64:0:2048", "ar:1024x64:512"],
 }
 
@@ -221,6 +233,7 @@ class _Runner:
     FUSED_OPS: tuple[str, str]  # (high precision, FP8)
     HAS_DIM = True
     MANY_BS = False
+    FP8 = True  # it has an FP8 form
     symm_mem = None
 
     def __init__(self, spec, dtype_name, granularity, group):
@@ -499,7 +512,45 @@ class _AllReduce(_Product):
     # symm_mem: None (torch's symm_mem has no fused matmul + all-reduce)
 
 
-_KINDS = {kind.CODE: kind for kind in (_Gather, _Scatter, _AllReduce)}  # the spec's prefix: its kind
+class _ProductGather(_Product):
+    """matmul_all_gather contenders of one case: every rank's product gathered along its columns (the LM head).
+    No FP8 form (``skipped``)."""
+
+    CODE, OP = "mg", "matmul_all_gather"
+    FUSED_OPS = ("fastmesh::matmul_all_gather", "fastmesh::matmul_all_gather")
+    HAS_DIM = False  # the columns are gathered
+    FP8 = False
+
+    def __init__(self, spec, dtype_name, granularity, group, device):
+        super().__init__(spec, dtype_name, granularity, group, device)
+        rows, n = self.c.numel() // self.c.shape[-1], self.c.shape[-1]
+        self.gathered = torch.empty((self.world * rows, n), dtype=self.c.dtype, device=device)  # rank-major
+        self.out = torch.empty((*self.c.shape[:-1], self.world * n), dtype=self.c.dtype, device=device)
+        self.comm_send = _random(self.c.shape, self.c.dtype, 4000 + self.rank, device).view(rows, n)
+        self.received = list(torch.empty_like(self.gathered).chunk(self.world))
+        self.comm_bytes = self.gathered.numel() * self.gathered.element_size()
+
+    def fastmesh(self):
+        return fastmesh.matmul_all_gather(self.a, self.b, group=self.group, pieces=self.spec.pieces or None)
+
+    def comm(self):
+        all_gather_into(self.gathered, self.comm_send, group=self.group)
+
+    def unfused(self):
+        rows, n = self.comm_send.shape
+        all_gather_into(self.gathered, self.matmul().view(rows, n), group=self.group)
+        # c10d stacks the ranks along dim 0: rank j's rows go to column block j
+        self.out.view(rows, self.world, n).copy_(self.gathered.view(self.world, rows, n).transpose(0, 1))
+        return self.out
+
+    def p2p(self):
+        exchange(self.group, [self.comm_send] * self.world, self.received)
+
+    def atol_factor(self, dtype_name):
+        return 1  # each rank's product as it is: no sums over ranks
+
+
+_KINDS = {kind.CODE: kind for kind in (_Gather, _Scatter, _AllReduce, _ProductGather)}  # the spec's prefix: its kind
 _KIND_OF_OP = {kind.OP: kind for kind in _KINDS.values()}
 
 
@@ -552,6 +603,8 @@ def skipped(spec: Spec, granularity: str | None, device: torch.device) -> str | 
     """Why a case cannot run here (the family notes it), or None."""
     if granularity == "rowwise" and device.type == "cpu" and not rowwise_scaled_mm_on_cpu():
         return f"{spec.label()} float8 rowwise skipped: torch < 2.13 has no row-wise _scaled_mm on CPU"
+    if granularity and not _KIND_OF_OP[spec.op].FP8:
+        return f"{spec.label()} float8 skipped: {spec.op} has no FP8 form"
     if granularity and spec.op == "all_gather_matmul" and spec.dim % len(spec.shape) == len(spec.shape) - 1:
         return f"{spec.label()} float8 skipped: the FP8 form gathers rows only (gather_dim before the last)"
     return None
@@ -624,7 +677,8 @@ def run(ctx: Context) -> None:
 
 FAMILY = Family(
     "fused_collectives",
-    "all_gather_matmul, matmul_reduce_scatter and matmul_all_reduce (fp32, bf16, FP8) against the unfused "
+    "all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce (fp32, bf16, FP8) and matmul_all_gather (fp32, "
+    "bf16) against the unfused "
     "collective sequence and max(comm, matmul)",
     distributed=True,
     dtypes=tuple(TORCH_DTYPES),

@@ -81,6 +81,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "fastmesh::matmul_all_reduce with the given schedule (split \"rows\" or \"none\").", arg("a"), arg("b"),
       arg("reduce_op"), arg("group_name"), arg("pieces"), arg("split"), gil);
   m.def(
+      "matmul_all_gather",
+      [](const at::Tensor& a, const at::Tensor& b, const std::string& group_name, int64_t pieces,
+         const std::string& split) { return fastmesh::fused::matmul_all_gather(a, b, group_name, pieces, split); },
+      "fastmesh::matmul_all_gather with the given schedule (split \"rows\" or \"none\").", arg("a"), arg("b"),
+      arg("group_name"), arg("pieces"), arg("split"), gil);
+  m.def(
       "all_gather_scaled_matmul",
       [](const at::Tensor& a_shard, const at::Tensor& a_scale, const std::vector<at::Tensor>& bs,
          const std::vector<at::Tensor>& b_scales, int64_t gather_dim, const std::string& group_name,

@@ -11,7 +11,7 @@ import warnings
 from fastmesh import fp8
 from fastmesh._cpp_lib import ExtensionError, load_error
 from fastmesh.mesh import group_name, init_mesh
-from fastmesh.ops import all_gather_matmul, amax, matmul_all_reduce, matmul_reduce_scatter
+from fastmesh.ops import all_gather_matmul, amax, matmul_all_gather, matmul_all_reduce, matmul_reduce_scatter
 from fastmesh.version import __version__
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "fp8",
     "group_name",
     "init_mesh",
+    "matmul_all_gather",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
 ]

@@ -365,6 +365,9 @@ def _run_case(spec: Spec, request: Request, mesh, fp8) -> None:
         elif spec.op == "matmul_all_reduce":
             b = torch.randn(spec.shape[-1], spec.ns[0], device=device, dtype=dtype)
             fastmesh.matmul_all_reduce(a, b, group=group, fp8=fp8)
+        elif spec.op == "matmul_all_gather":  # no FP8 form: tuned in the high-precision dtype
+            b = torch.randn(spec.shape[-1], spec.ns[0], device=device, dtype=dtype)
+            fastmesh.matmul_all_gather(a, b, group=group)
         else:
             b = torch.randn(spec.shape[-1], spec.ns[0], device=device, dtype=dtype)
             fastmesh.matmul_reduce_scatter(a, b, spec.dim, group=group, fp8=fp8)

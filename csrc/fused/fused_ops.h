@@ -31,6 +31,10 @@ at::Tensor matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64
 at::Tensor matmul_all_reduce(const at::Tensor& a, const at::Tensor& b, c10::string_view reduce_op,
                              c10::string_view group_name, int64_t pieces, c10::string_view split);
 
+// Every rank's a @ b, concatenated along the last dim in rank order; split "rows" or "none".
+at::Tensor matmul_all_gather(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name, int64_t pieces,
+                             c10::string_view split);
+
 std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_scaled_matmul(
     const at::Tensor& a_shard, const at::Tensor& a_scale, at::TensorList bs, at::TensorList b_scales,
     int64_t gather_dim, c10::string_view group_name, at::ScalarType out_dtype, bool return_a, int64_t pieces,

@@ -4,6 +4,15 @@ from fastmesh.ops import _library  # noqa: F401  (defines the schemas on import)
 from fastmesh.ops.amax import amax
 from fastmesh.ops.fp8_quantize import Float8Quantized, quantize
 from fastmesh.ops.fused_collectives import all_gather_matmul, matmul_reduce_scatter
+from fastmesh.ops.matmul_all_gather import matmul_all_gather
 from fastmesh.ops.matmul_all_reduce import matmul_all_reduce
 
-__all__ = ["Float8Quantized", "all_gather_matmul", "amax", "matmul_all_reduce", "matmul_reduce_scatter", "quantize"]
+__all__ = [
+    "Float8Quantized",
+    "all_gather_matmul",
+    "amax",
+    "matmul_all_gather",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+    "quantize",
+]

@@ -9,6 +9,8 @@ all_gather_matmul           a_shard ``Shard(gather_dim)``;           a: ``Replic
 matmul_reduce_scatter       a ``Shard(-1)`` (contraction sharded);   ``Shard(scatter_dim)``
                             b plain (local rows) or ``Shard(0)``
 matmul_all_reduce           a ``Shard(-1)``; b plain or ``Shard(0)``  ``Replicate()``
+matmul_all_gather           a ``Replicate()`` (grad: ``Partial()``);  ``Replicate()``
+                            b plain or ``Shard(1)``
 ==========================  ======================================  ===================================
 
 ``to_local`` / ``from_local`` are differentiable, so gradients flow back to the DTensor inputs.
@@ -17,7 +19,7 @@ matmul_all_reduce           a ``Shard(-1)``; b plain or ``Shard(0)``  ``Replicat
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fastmesh.mesh import group_name
 from fastmesh.ops._checks import wrap_dim
@@ -144,3 +146,21 @@ def matmul_all_reduce(front, a, b, group, reduce_op, pieces, fp8):
     out = front(a.to_local(), b_local, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
     n = b.shape[1] if is_dtensor(b) else b_local.shape[1]
     return _wrap(out, mesh, Replicate(), list(a.shape[:-1]) + [n])
+
+
+def matmul_all_gather(front, a, b, group, pieces):
+    op = "fastmesh.matmul_all_gather"
+    if not is_dtensor(a):
+        raise TypeError(
+            f"{op}: b is a DTensor, so a must be a DTensor placed Replicate() too, got a {type(a).__name__}"
+        )
+    mesh = _mesh_of(a, op, "a")
+    _check_group(group, mesh, op)
+    if a.placements[0] != Replicate():
+        raise ValueError(
+            f"{op}: a must be placed Replicate() (a column-parallel layer's input), got {a.placements[0]!r}"
+        )
+    b_local, _ = _local_b(b, mesh, op, "b", (Shard(1),), "Shard(1) (this rank's columns)")
+    # Each rank's gradient of a is its columns' part: partial, summed where a was made replicated.
+    out = front(a.to_local(grad_placements=[Partial()]), b_local, group=mesh, pieces=pieces)
+    return _wrap(out, mesh, Replicate(), list(out.shape))

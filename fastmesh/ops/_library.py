@@ -37,6 +37,10 @@ _SIGNATURES = {
     "-> Tensor",
     # fastmesh/ops/matmul_all_reduce.py: all_reduce(a @ b), pieces of the product's rows.
     "matmul_all_reduce": "(Tensor a, Tensor b, str reduce_op, str group_name, int pieces=0) -> Tensor",
+    # fastmesh/ops/matmul_all_gather.py: cat(all_gather(a @ b), -1), pieces of the product's rows.
+    "matmul_all_gather": "(Tensor a, Tensor b, str group_name, int pieces=0) -> Tensor",
+    # Its backward's slice: this rank's column block of a replicated gradient, the rank read at run time.
+    "rank_columns": "(Tensor t, str group_name) -> Tensor",
     "scaled_matmul_all_reduce": "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, str reduce_op, str group_name, "
     "ScalarType out_dtype, int pieces=0) -> Tensor",
     # Their FP8 forms (fastmesh/ops/fused_collectives_fp8.py): FP8 data with tensor-wise or row-wise scales.

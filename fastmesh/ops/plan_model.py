@@ -60,9 +60,9 @@ MODEL_MARGIN = 0.05
 class Shape:
     """What the model needs of one call (every rank has the same)."""
 
-    op: str  # "all_gather", "reduce_scatter" or "all_reduce"
+    op: str  # "all_gather", "reduce_scatter", "all_reduce" or "product_all_gather" (matmul_all_gather)
     world: int
-    rows: int  # all_gather: rows of the shard; reduce_scatter, all_reduce: rows of a (all ranks' blocks)
+    rows: int  # all_gather: rows of the shard; the others: rows of a (reduce_scatter: all ranks' blocks)
     k: int  # contraction size of one multiply (all_gather of the last dim: one rank's part)
     ns: tuple  # columns of each b
     outer: int  # product of the dims before the gathered / scattered dim (1: rank blocks are row ranges)
@@ -106,9 +106,11 @@ def estimate(shape: Shape, split: str, pieces: int) -> float:
         compute = local + remote + d.comm_cpu_share * transfer
         return max(compute, transfer + remote / p)
 
-    if shape.op == "all_reduce":  # pieces of the product's rows, each all-reduced while the next is multiplied
-        # A ring all-reduce sends 2 (W-1)/W of the product: a reduce-scatter and an all-gather of it.
-        sent = 2 * (w - 1) * shape.rows * n * shape.comm_bytes / w
+    if shape.op in ("all_reduce", "product_all_gather"):  # pieces of the product's rows, each sent while the next
+        # is multiplied. A ring all-reduce sends 2 (W-1)/W of the product (a reduce-scatter and an all-gather of
+        # it); the all-gather of this rank's product sends it to the W-1 others.
+        share = 2 * (w - 1) / w if shape.op == "all_reduce" else w - 1
+        sent = share * shape.rows * n * shape.comm_bytes
         transfer = sent / d.link_bytes_s + d.piece_s * p
         compute = passes(p) + 2 * shape.rows * k * n / flop_rate  # every piece reads all of b
         if split == "none":

@@ -32,6 +32,7 @@ def register_once() -> bool:
         (torch.ops.fastmesh.all_gather_matmul.default, _all_gather_matmul),
         (torch.ops.fastmesh.matmul_reduce_scatter.default, _matmul_reduce_scatter),
         (torch.ops.fastmesh.matmul_all_reduce.default, _matmul_all_reduce),
+        (torch.ops.fastmesh.matmul_all_gather.default, _matmul_all_gather),
     )
     try:
         from torch._inductor import decomposition as inductor_decompositions
@@ -103,3 +104,17 @@ def _matmul_all_reduce(a, b, reduce_op, group_name, pieces=0):
     ):
         return NotImplemented
     return traced_all_reduce(a @ b, group_name, reduce_op)
+
+
+def _matmul_all_gather(a, b, group_name, pieces=0):
+    from fastmesh.ops.matmul_all_gather import plan_call
+
+    if (
+        pieces
+        or a.numel() == 0
+        or b.numel() == 0
+        or not plans.has_static_shape(a, b)
+        or plans.unfused_offline(plan_call(a, b, group_name)) is None
+    ):
+        return NotImplemented
+    return traced_all_gather(a @ b, -1, group_name)

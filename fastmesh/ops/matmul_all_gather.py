@@ -1,0 +1,156 @@
+"""Fused matmul + all-gather of the product's columns: ``fastmesh::matmul_all_gather``, the gather of one piece of
+the product's rows overlapped with the multiply of the next (a column-parallel linear whose output is made
+replicated: the LM head's logits).
+
+Plain-PyTorch equivalent (``W`` the size of the group named by ``group_name``)::
+
+    c = a @ b
+    parts = [torch.empty_like(c) for _ in range(W)]
+    dist.all_gather(parts, c, group)
+    result = torch.cat(parts, dim=-1)    # rank j's product is column block j, the same on every rank
+
+Shapes (``...`` any leading dims; every rank passes the same shapes)::
+
+    a [..., K]   b [K, n]   (n: this rank's columns)   result [..., W * n]
+
+Autograd: the result is replicated, and its gradient ``G`` is taken to be the same on every rank, as DTensor
+takes a ``Replicate()`` tensor's (torch's ``ColwiseParallel(output_layouts=Replicate())``); each rank keeps
+its own column block ``G_r = G[..., r * n:(r + 1) * n]``, no communication::
+
+    grad a = G_r @ b.T          # this rank's part of a's gradient (a column-parallel input's: partial)
+    grad b = a.flatten(0, -2).T @ G_r.flatten(0, -2)
+
+Plans (``docs/plans.md``): pieces of the product's rows, each gathered while the next is multiplied, or
+``unfused``. Errors: TypeError / ValueError naming the argument, before any transfer, as
+``csrc/fused/checks.h``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastmesh import _cpp_lib
+from fastmesh.mesh import group_name as _group_name_of
+from fastmesh.ops import _dtensor, plans, traced_unfused
+from fastmesh.ops._checks import MATMUL_DTYPES, check_tensor
+from fastmesh.ops._fused_common import as_matrix, check_like, check_pieces, group_size, resolve_group
+from fastmesh.ops._library import library, qualified_name
+
+_OP = "fastmesh::matmul_all_gather"
+
+
+def _check(a, b, pieces) -> None:
+    check_tensor(a, _OP, "a", MATMUL_DTYPES, min_dim=1)
+    check_tensor(b, _OP, "b", MATMUL_DTYPES, min_dim=2, max_dim=2)
+    check_like(b, a, _OP, "b", "a")
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{_OP}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
+    check_pieces(pieces, _OP)
+
+
+def _gathered_shape(a, b, world: int) -> list:
+    return list(a.shape[:-1]) + [world * b.shape[1]]
+
+
+@torch.library.register_fake(qualified_name("matmul_all_gather"))
+def _matmul_all_gather_fake(a, b, group_name, pieces=0):
+    traced_unfused.register_once()  # being traced: inductor may trace an unfused plan as its collective
+    world = group_size(group_name, _OP)
+    _check(a, b, pieces)
+    return a.new_empty(_gathered_shape(a, b, world))
+
+
+def plan_call(a, b, group_name: str) -> plans.Call:
+    """The planner's view of a matmul_all_gather call (also asked under compile, on fake tensors)."""
+    group = resolve_group(group_name, _OP)
+    return plans.product_call(_OP, "product_all_gather", group, group_name, a, b.shape[1], a.dtype)
+
+
+def _matmul_all_gather_kernel(a, b, group_name, pieces=0):
+    world = group_size(group_name, _OP)
+    _check(a, b, pieces)
+    ext = _cpp_lib.load()
+
+    def run(plan: plans.Plan):
+        return ext.matmul_all_gather(a, b, group_name, plan.pieces, plan.split)
+
+    if world == 1 or a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
+    # Before the ranks agree on a plan: ranks whose calls differ must fail here, all of them, not in the planner.
+    product = a.new_empty(()).expand(list(a.shape[:-1]) + [b.shape[1]])
+    ext.check_same_shape_on_all_ranks(product, group_name, _OP, "a @ b")
+    return run(plans.decide(plan_call(a, b, group_name), pieces, run).plan)
+
+
+for _device in ("CPU", "CUDA"):
+    library.impl("matmul_all_gather", _matmul_all_gather_kernel, _device)
+
+
+@torch.library.register_fake(qualified_name("rank_columns"))
+def _rank_columns_fake(t, group_name):
+    return t.new_empty(list(t.shape[:-1]) + [t.shape[-1] // group_size(group_name, _OP)])
+
+
+@torch.library.impl(qualified_name("rank_columns"), "CompositeExplicitAutograd")
+def _rank_columns(t, group_name):
+    """This rank's block of ``t``'s columns. An op, not a slice: a slice would put the rank into the traced
+    backward, and ranks that share inductor's caches (one machine) would load each other's compiled graphs."""
+    group = resolve_group(group_name, _OP)
+    n = t.shape[-1] // group.size()
+    return t.narrow(-1, group.rank() * n, n).clone(memory_format=torch.contiguous_format)
+
+
+def _setup(ctx, inputs, output):
+    a, b, group_name, *_ = inputs  # pieces, when not defaulted (torch 2.11 leaves defaults out)
+    ctx.group_name = group_name
+    ctx.save_for_backward(a if b.requires_grad else None, b if a.requires_grad else None)
+
+
+def _backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    mine = torch.ops.fastmesh.rank_columns(grad_out, ctx.group_name)  # this rank's columns of the gradient
+    grad_a = mine @ b.t() if ctx.needs_input_grad[0] else None
+    grad_b = as_matrix(a).t() @ as_matrix(mine) if ctx.needs_input_grad[1] else None
+    return (grad_a, grad_b) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+torch.library.register_autograd(qualified_name("matmul_all_gather"), _backward, setup_context=_setup)
+
+
+def matmul_all_gather(a: torch.Tensor, b: torch.Tensor, *, group=None, pieces: int | None = None) -> torch.Tensor:
+    """Multiply ``a @ b`` and all-gather every rank's product along its columns, overlapped.
+
+    Equivalent to (see the module docstring for shapes and autograd)::
+
+        c = a @ b
+        parts = [torch.empty_like(c) for _ in range(W)]
+        dist.all_gather(parts, c, group=group)
+        return torch.cat(parts, dim=-1)
+
+    Args:
+        a: ``[..., K]``, float32 / bfloat16 / float16 / float64: a column-parallel layer's (replicated) input. A
+            ``Replicate()`` DTensor on a 1-D mesh (with ``b`` plain or ``Shard(1)``) gives a ``Replicate()``
+            DTensor result, and a ``Partial()`` gradient for ``a`` (each rank's columns' part).
+        b: ``[K, n]``, a's dtype and device: this rank's columns of the weight (``w.t()`` of its rows).
+        group: ``ProcessGroup``, 1-D ``DeviceMesh``, ``(mesh, axis_name)``, group name, or ``None`` for the
+            default group.
+        pieces: pipeline pieces of the product's rows (``None``: the call's plan, ``docs/plans.md``; 1: one
+            multiply, then one all-gather).
+
+    Returns:
+        ``[..., W * n]``: every rank's product, rank ``j``'s in column block ``j``; the same on every rank.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("needs a process group")
+        >>> logits = fastmesh.matmul_all_gather(h, w_out_shard.t(), group=mesh["tp"])   # [B, S, vocab]
+    """
+    if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
+        return _dtensor.matmul_all_gather(matmul_all_gather, a, b, group, pieces)
+    name = _group_name_of(group)
+    pieces = 0 if pieces is None else pieces
+    if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
+        group_size(name, _OP)
+        _check(a, b, pieces)
+    _cpp_lib.require()
+    return torch.ops.fastmesh.matmul_all_gather(a, b, name, pieces)
