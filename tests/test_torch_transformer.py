@@ -118,7 +118,7 @@ def _args(world: int, weight_tying: bool) -> ModelArgs:
     """Tiny and divisible by the TP degree (heads, hidden 4*dim, vocabulary, sequence); no dropout."""
     return ModelArgs(
         n_layers=2,
-        vocab_size=8 * world,
+        vocab_size=13 * world,  # more than dim: the LM head gathers its output columns as it multiplies
         max_seq_len=2 * world + 4,
         dim=24,
         n_heads=4 if world < 4 else 8,
@@ -176,6 +176,7 @@ def _step_counts(model: Transformer, tokens: torch.Tensor) -> dict:
         torch.ops.fastmesh.all_gather_matmul: "all_gather_into_tensor",
         torch.ops.fastmesh.matmul_reduce_scatter: "reduce_scatter_tensor",
         torch.ops.fastmesh.matmul_all_reduce: "all_reduce",
+        torch.ops.fastmesh.matmul_all_gather: "all_gather_into_tensor",
     }
     mode = CommDebugMode()
     mode.comm_registry.update(fused_as)
@@ -205,6 +206,18 @@ def test_training_step_issues_torchs_collectives():
             want = {phase: dict(n) for phase, n in want.items()}
             want["backward"]["all_reduce"] -= 2 * args.n_layers
         assert counts["fastmesh"] == want, (case, counts)
+
+
+@on_ranks(2)
+def test_lm_head_gathers_its_logits_as_it_multiplies():
+    # out_features (the vocabulary) > in_features: the output columns' gather is the one overlapped.
+    args = _args(dist.get_world_size(), weight_tying=False)
+    for sequence_parallel in (False, True):
+        mode = CommDebugMode()
+        mode.comm_registry.add(torch.ops.fastmesh.matmul_all_gather)
+        with mode:
+            _loss(_model(args, "fastmesh", sequence_parallel), _tokens(args, 2, seed=0))
+        assert mode.get_comm_counts().get(torch.ops.fastmesh.matmul_all_gather) == 1, mode.get_comm_counts()
 
 
 @on_ranks(4, timeout=300)

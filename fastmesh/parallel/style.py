@@ -1,6 +1,7 @@
 """Fused tensor-parallel styles for ``parallelize_module``: the TP collectives run inside the matmuls
-(``fastmesh.all_gather_matmul`` / ``matmul_reduce_scatter`` / ``matmul_all_reduce``), moving exactly the data of
-torch's native plan, one collective for one (or fewer: sibling linears share one), forward and backward.
+(``fastmesh.all_gather_matmul`` / ``matmul_reduce_scatter`` / ``matmul_all_reduce`` / ``matmul_all_gather``),
+moving exactly the data of torch's native plan, one collective for one (or fewer: sibling linears share one),
+forward and backward.
 
 Shapes per rank (``tp`` the TP degree, ``S`` the sequence length, ``D`` the input features, ``N`` a
 linear's ``out_features``; the sequence dim is 1 by default, any dim but the last may be)::
@@ -15,13 +16,13 @@ linear's ``out_features``; the sequence dim is 1 by default, any dim but the las
 Plain-PyTorch equivalents (``x_shard`` this rank's sequence shard; weights and biases this rank's shards)::
 
     x = torch.cat(all_gather(x_shard), dim=1); y_i = x @ w_i.T + b_i   # colwise (linears=: one gather)
-    y = torch.cat(all_gather(y_i), dim=-1)                             #   output_layouts=Replicate()
+    y = torch.cat(all_gather(y_i), dim=-1)    # output_layouts=Replicate(): the larger gather in the matmul
     y_shard = reduce_scatter(h_shard @ w.T, dim=1) + b                  # rowwise
     y = all_reduce(h_shard @ w.T) + b                                  #   output_layouts=Replicate()
 
 Autograd: all_gather_matmul and matmul_reduce_scatter are each other's backward. A replicated plain-tensor
 input's gradient is summed over the ranks in backward by one ``matmul_all_reduce`` for all the linears (torch's
-ColwiseParallel all-reduces it after its matmul); a rowwise replicated output's backward needs no collective.
+ColwiseParallel all-reduces it after its matmul); a replicated output's backward needs no collective.
 Parameters are DTensors placed as torch's ``ColwiseParallel`` / ``RowwiseParallel`` place them: state dicts,
 DCP and FSDP2 see what they see under the native plan.
 
@@ -32,6 +33,7 @@ A whole Llama block's plan, and why the styles are built as they are: ``docs/des
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Sequence
 
@@ -43,8 +45,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
+from fastmesh._log import log_once
 from fastmesh.mesh import group_name
-from fastmesh.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from fastmesh.ops import all_gather_matmul, matmul_all_gather, matmul_all_reduce, matmul_reduce_scatter
+from fastmesh.ops._collectives import all_gather
 from fastmesh.parallel._common import (
     as_output,
     check_fp8,
@@ -63,6 +67,8 @@ from fastmesh.parallel._common import (
 from fastmesh.parallel.shared_gather import SharedGather
 
 __all__ = ["FusedColwiseParallel", "FusedRowwiseParallel"]
+
+logger = logging.getLogger("fastmesh.parallel")
 
 _COLWISE = "FusedColwiseParallel"
 _ROWWISE = "FusedRowwiseParallel"
@@ -164,9 +170,33 @@ class FusedColwiseParallel(ParallelStyle):
     def _partition_linear_fn(self, linear: nn.Linear, mesh: DeviceMesh) -> None:
         shard_parameters(linear, mesh, Shard(0), Shard(0), self.src_data_rank)
 
+    def _gathers_output(self, named_linears, return_a: bool) -> bool:
+        """Whether, for ``output_layouts=Replicate()``, the matmul is overlapped with the gather of its output
+        columns (matmul_all_gather) rather than with its input's: where that moves more (out_features >
+        in_features: an LM head's logits). Not for FP8 (no FP8 matmul_all_gather) nor a bias (added to this
+        rank's columns before their gather, as torch adds it). The choice is said once."""
+        if not isinstance(self.output_layouts[0], Replicate) or return_a or len(named_linears) != 1:
+            return False
+        linear = named_linears[0][1]
+        larger = linear.out_features > linear.in_features
+        output = larger and self.fp8 is None and linear.bias is None
+        if output:
+            said = "the output columns' gather is overlapped with the matmul (matmul_all_gather), the input's not"
+        else:
+            why = "it moves less" if not larger else "fp8 has no matmul_all_gather" if self.fp8 else "a bias"
+            said = f"the output columns' gather is not overlapped ({why})"
+        log_once(logger, logging.INFO, (_COLWISE, "replicated output", said), "%s: %s", _COLWISE, said)
+        return output
+
     def _gather_matmul(self, mesh: DeviceMesh, named_linears, x_shard: torch.Tensor, placement: Shard, return_a: bool):
         """The fused gather + matmuls: (gathered input or None, each linear's output)."""
         dim = sequence_dim(placement, x_shard, _COLWISE, "the input's")
+        if self._gathers_output(named_linears, return_a):
+            # The input gathered by a plain all-gather (its backward reduce-scatters the partial gradient).
+            (name, linear), group = named_linears[0], group_name(mesh)
+            weight = local_parameter(linear, "weight", _COLWISE, name)  # no bias: _gathers_output
+            out = matmul_all_gather(all_gather(x_shard, dim, group), weight.t(), group=group, pieces=self.pieces)
+            return None, [self._gathered_output(out, mesh)]
         weights = [local_parameter(linear, "weight", _COLWISE, name) for name, linear in named_linears]
         a, outs = all_gather_matmul(
             x_shard,
@@ -183,13 +213,21 @@ class FusedColwiseParallel(ParallelStyle):
             results.append(self._prepare_output_fn(out if bias is None else out + bias, mesh))
         return a, results
 
+    def _gathered_output(self, out: torch.Tensor, mesh: DeviceMesh):
+        """The gathered product (every column), local or a ``Replicate()`` DTensor."""
+        return out if self.use_local_output else DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
     def _replicated_matmul(self, mesh: DeviceMesh, named_linears, x: torch.Tensor) -> list:
         """A replicated plain-tensor input (``input_layouts=Replicate()``): nothing to gather, each rank
-        multiplies its columns locally. The input's gradient, summed over the ranks as torch's ColwiseParallel
-        sums it (one all-reduce for all the linears), is fused into its matmul."""
+        multiplies its columns locally (or, with ``output_layouts=Replicate()``, gathers them as it multiplies).
+        The input's gradient, summed over the ranks as torch's ColwiseParallel sums it (one all-reduce for all
+        the linears), is fused into its matmul."""
         check_fp8_input(self.fp8, Replicate(), _COLWISE, "a replicated one")
         weights = [local_parameter(linear, "weight", _COLWISE, name) for name, linear in named_linears]
-        outs = _ReplicatedInputMatmul.apply(x, group_name(mesh), self.pieces, *weights)
+        gathered = self._gathers_output(named_linears, return_a=False)
+        outs = _ReplicatedInputMatmul.apply(x, group_name(mesh), self.pieces, gathered, *weights)
+        if gathered:
+            return [self._gathered_output(outs[0], mesh)]
         results = []
         for (name, linear), out in zip(named_linears, outs):
             bias = local_parameter(linear, "bias", _COLWISE, name)
@@ -376,14 +414,18 @@ class _ReplicatedInputMatmul(torch.autograd.Function):
     local (``grad_i^T x``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str, pieces: int | None, *weights: torch.Tensor):
-        ctx.group, ctx.pieces = group, pieces
+    def forward(ctx, x: torch.Tensor, group: str, pieces: int | None, gathered: bool, *weights: torch.Tensor):
+        ctx.group, ctx.pieces, ctx.gathered = group, pieces, gathered
         ctx.save_for_backward(x, *weights)
+        if gathered:  # output_layouts=Replicate(): every rank's columns, gathered while they are multiplied
+            return tuple(matmul_all_gather(x, w.t(), group=group, pieces=pieces) for w in weights)
         return tuple(F.linear(x, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
+        if ctx.gathered:  # the replicated output's gradient: this rank's columns are its outputs'
+            grads = tuple(torch.ops.fastmesh.rank_columns(g, ctx.group) for g in grads)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad = grads[0] if len(grads) == 1 else torch.cat(grads, dim=-1)
@@ -392,6 +434,6 @@ class _ReplicatedInputMatmul(torch.autograd.Function):
         x_rows = x.reshape(-1, x.shape[-1])
         grad_ws = [
             g.reshape(-1, g.shape[-1]).t() @ x_rows if needed else None
-            for g, needed in zip(grads, ctx.needs_input_grad[3:])
+            for g, needed in zip(grads, ctx.needs_input_grad[4:])
         ]
-        return (grad_x, None, None, *grad_ws)
+        return (grad_x, None, None, None, *grad_ws)
