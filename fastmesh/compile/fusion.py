@@ -51,12 +51,14 @@ class FusionEntry:
         collective: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
         node: the collective's node name in that graph.
         fused_into: the op it became (``"fastmesh.all_gather_matmul"``, ``"fastmesh.matmul_reduce_scatter"``,
-            ``"fastmesh.matmul_all_reduce"``, ..., or a ``"torch.symm_mem.fused_*"`` op when torch's
-            ``_micro_pipeline_tp`` took it), None if left.
+            ``"fastmesh.matmul_all_reduce"``, ``"fastmesh.matmul_all_gather"``, ..., or a
+            ``"torch.symm_mem.fused_*"`` op when torch's ``_micro_pipeline_tp`` took it), None if left.
         matmuls: the number of matmuls fused with it.
         detail: the fused call's arguments, or why the collective was left.
         unprofitable: left because the fused op's plan for these shapes is the unfused sequence
-            (``detail`` gives the plan and its figures); ``strict=True`` does not fail on these.
+            (``detail`` gives the plan and its figures), or because its matmul went into the fused op of
+            another collective that moves more (a gathered input and a gathered product of one matmul);
+            ``strict=True`` does not fail on these.
     """
 
     graph: int
@@ -157,7 +159,9 @@ def _torch_fused_op_name(node: Node) -> str | None:
     return f"torch.{name.split('.default')[0]}" if name.startswith(_TORCH_FUSED_PREFIX) else None
 
 
-def _gather_detail(match: patterns.GatherMatch) -> str:
+def _gather_detail(match) -> str:
+    if isinstance(match, patterns.ProductGatherMatch):
+        return f"the product's columns gathered, group={match.group_name}"
     detail = f"gather_dim={match.gather_dim}, group={match.group_name}, return_a={match.return_a}"
     if match.scale_gather is not None:
         detail += f", with the row-wise scales' all-gather {match.scale_gather.collective.name}"
@@ -192,8 +196,8 @@ _RULES = (
         "all_gather",
         patterns.ALL_GATHER,
         patterns.match_all_gather,
-        rewrite.fuse_all_gather,
-        lambda m: len(m.consumers),
+        rewrite.fuse_gather,
+        lambda m: len(_matmuls(m)),
         _gather_detail,
     ),
     _Rule(
@@ -213,6 +217,24 @@ _RULES = (
         _scatter_detail,
     ),
 )
+
+
+def _matmuls(match) -> list[Node]:
+    """The matmul nodes a match's fused op takes in."""
+    if isinstance(match, patterns.GatherMatch):
+        return [c.matmul for c in match.consumers]
+    if isinstance(match, patterns.ProductGatherMatch):
+        return [match.matmul]
+    return list(match.terms)
+
+
+def _transfer_elements(match) -> int:
+    """Elements one rank sends for a gather match (0 when symbolic, or for an Unfusable): which of two gathers of
+    one matmul to fuse."""
+    if isinstance(match, patterns.Unfusable):
+        return 0
+    numel = patterns.fake_value(match.shard).numel()
+    return numel if isinstance(numel, int) else 0
 
 
 def _op_name(node: Node) -> str:
@@ -240,8 +262,17 @@ def _fuse_collectives(graph: Graph, rule: _Rule, index: int, kind: str) -> list[
     found = [(name, match) for name, match in found if match is not None]
     outcomes: dict[str, FusionEntry] = {}
     carried: dict[str, str] = {}  # a row-wise scales' gather -> the gather whose fused op carries it
-    for name, match in found:
+    # A matmul whose input and product are both gathered (the LM head under sequence parallelism) goes into one
+    # fused op: the one that overlaps the larger transfer, so larger transfers are fused first.
+    taken: dict[Node, str] = {}  # matmul -> the collective whose fused op took it in
+    by_size = sorted(found, key=lambda item: -_transfer_elements(item[1])) if rule.collective == "all_gather" else found
+    for name, match in by_size:
         if isinstance(match, patterns.Unfusable):
+            continue
+        other = next((taken[m] for m in _matmuls(match) if m in taken), None)
+        if other is not None:
+            detail = f"its matmul is fused with {other} instead, which moves more data"
+            outcomes[name] = entry(name, None, 0, detail, unprofitable=True)
             continue
         scale_gather = getattr(match, "scale_gather", None)
         reason = profit.unprofitable(match)
@@ -257,6 +288,7 @@ def _fuse_collectives(graph: Graph, rule: _Rule, index: int, kind: str) -> list[
             outcomes[name] = entry(name, None, 0, fused.reason)
             continue
         outcomes[name] = entry(name, _op_name(fused), rule.matmuls(match), f"{fused.name}: {rule.detail(match)}")
+        taken.update((m, name) for m in _matmuls(match))
         if scale_gather is not None:
             carried[scale_gather.collective.name] = name
     for name, match in found:

@@ -18,6 +18,8 @@ A Partial -> Replicate of a row-parallel product is ``wait_tensor(all_reduce(p, 
 linear's bias is made partial by DTensor: ``addmm(bias / W, x, b)`` (or ``mm(x, b) + bias / W``) before the
 reduction (:func:`_partial_bias`). The FP8 forms have ``_scaled_mm`` in place of ``mm`` (gloo gathers FP8 as
 uint8 bytes, viewed back as FP8).
+A Shard(-1) -> Replicate of a column-parallel product (the LM head) is the all-gather of ``reshape(mm(x, b))``
+with its rank blocks moved to the last dim.
 :func:`match_all_gather`, :func:`match_reduce_scatter` and :func:`match_all_reduce` return a description of
 what to rewrite, or an :class:`Unfusable` with the reason a user can act on. Nothing here edits the graph.
 """
@@ -96,6 +98,21 @@ class GatherMatch:
     a_scale: Node | None = None  # FP8: the shard's scale (tensor-wise, or the row-wise scales' shard)
     scale_gather: ScaleGather | None = None  # FP8 row-wise: the scales' own all-gather, fused too
     out_dtype: torch.dtype | None = None  # FP8: the _scaled_mm output dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ProductGatherMatch:
+    """``cat(split(wait(all_gather(reshape(mm(a, b)))), dim=0), dim=-1)``: a column-parallel product made
+    replicated (DTensor's Shard(-1) -> Replicate, the LM head's logits): ``fastmesh::matmul_all_gather``."""
+
+    collective: Node
+    wait: Node
+    shard: Node  # the gathered product: the mm, or the last of its reshapes
+    group_name: str
+    gathered: Node  # the cat holding every rank's columns
+    layout_nodes: tuple[Node, ...]  # split, getitems, cat
+    matmul: Node
+    reshapes: tuple[Node, ...]  # from ``shard`` down to the mm, users first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,10 +386,7 @@ def match_all_gather(collective: Node) -> GatherMatch | Unfusable:
         shard = shard.args[0]
     consumers, others, views = _consumers_of(gathered)
     if not consumers and _matmul_fed(shard):
-        return Unfusable(
-            f"the all-gather of a matmul's product (gather dim {gather_dim}; a column-parallel output made "
-            "replicated) feeds no matmul: fastmesh fuses a gather only into the matmuls that consume it"
-        )
+        return _match_product_gather(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes)
     if not consumers:
         return Unfusable(
             f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through "
@@ -408,6 +422,32 @@ def match_all_gather(collective: Node) -> GatherMatch | Unfusable:
         return_a=bool(others),
     )
     return _with_scales(match) if fp8 else match
+
+
+def _match_product_gather(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes):
+    """The all-gather of a matmul's product along its columns as a :class:`ProductGatherMatch`, or why not."""
+    what = f"the all-gather of a matmul's product (gather dim {gather_dim})"
+    shard_value = fake_value(shard)
+    if gather_dim != shard_value.dim() - 1:
+        return Unfusable(
+            f"{what} stacks its rows, not its columns: fastmesh fuses a product's column gather "
+            "(matmul_all_gather) or a gather into the matmuls that consume it"
+        )
+    reshapes, node = [], shard
+    while node.target in RESHAPES:
+        reshapes.append(node)
+        node = node.args[0]
+    if node.target != MM:
+        return Unfusable(
+            f"{what}: the product is {node.name} ({node.target}), not one mm (a bias or a sum of products); "
+            "matmul_all_gather fuses a plain matmul"
+        )
+    if any(len(n.users) != 1 for n in (node, *reshapes)):
+        return Unfusable(f"{what}: the product {node.name} has other users than the all-gather")
+    product = fake_value(node)
+    if product.dtype not in MATMUL_DTYPES or not _provably_equal(shard_value.shape[-1], product.shape[-1]):
+        return Unfusable(f"{what}: a {product.dtype} product, or reshaped across its columns")
+    return ProductGatherMatch(collective, wait, shard, group_name, gathered, layout_nodes, node, tuple(reshapes))
 
 
 def _with_scales(match: GatherMatch) -> GatherMatch | Unfusable:

@@ -14,6 +14,7 @@ from fastmesh.compile import patterns
 from fastmesh.ops import plans
 from fastmesh.ops.fused_collectives import gather_plan_call, scatter_plan_call
 from fastmesh.ops.fused_collectives_fp8 import scaled_gather_plan_call, scaled_scatter_plan_call
+from fastmesh.ops.matmul_all_gather import plan_call as product_gather_plan_call
 from fastmesh.ops.matmul_all_reduce import plan_call as all_reduce_plan_call
 
 
@@ -29,6 +30,11 @@ def _gather_call(match: patterns.GatherMatch) -> plans.Call | None:
     if match.scale_gather is not None:  # row-wise: the shard's scales, one per row
         a_scale = shard.new_empty(list(shard.shape[:-1]) + [1], dtype=torch.float32)
     return scaled_gather_plan_call(shard, a_scale, bs, dim, match.group_name, match.out_dtype)
+
+
+def _product_gather_call(match: patterns.ProductGatherMatch) -> plans.Call | None:
+    a, b = (patterns.fake_value(operand) for operand in match.matmul.args[:2])
+    return product_gather_plan_call(a, b, match.group_name) if plans.has_static_shape(a, b) else None
 
 
 def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
@@ -55,9 +61,14 @@ def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
 
 
 def unprofitable(match) -> str | None:
-    """Why fusing ``match`` (a GatherMatch, or a ScatterMatch of a reduce-scatter or an all-reduce) would not
-    pay, or None to fuse it."""
-    call = _gather_call(match) if isinstance(match, patterns.GatherMatch) else _scatter_call(match)
+    """Why fusing ``match`` (a GatherMatch, a ProductGatherMatch, or a ScatterMatch of a reduce-scatter or an
+    all-reduce) would not pay, or None to fuse it."""
+    if isinstance(match, patterns.GatherMatch):
+        call = _gather_call(match)
+    elif isinstance(match, patterns.ProductGatherMatch):
+        call = _product_gather_call(match)
+    else:
+        call = _scatter_call(match)
     decision = None if call is None else plans.unfused_offline(call)
     if decision is None:
         return None

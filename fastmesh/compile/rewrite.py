@@ -16,7 +16,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
 
-from fastmesh.compile.patterns import GatherMatch, ScatterMatch, Unfusable, matmul_operands
+from fastmesh.compile.patterns import GatherMatch, ProductGatherMatch, ScatterMatch, Unfusable, matmul_operands
 
 aten = torch.ops.aten
 
@@ -95,6 +95,31 @@ def _erase_unused(graph: Graph, nodes) -> None:
     for node in nodes:
         if not node.users:
             graph.erase_node(node)
+
+
+def fuse_gather(graph: Graph, match: GatherMatch | ProductGatherMatch):
+    """The rewrite of an all-gather match: into its consumers (:func:`fuse_all_gather`) or its producer
+    (:func:`fuse_product_gather`)."""
+    if isinstance(match, ProductGatherMatch):
+        return fuse_product_gather(graph, match)
+    return fuse_all_gather(graph, match)
+
+
+def fuse_product_gather(graph: Graph, match: ProductGatherMatch):
+    """Replace the matmul, its reshapes and the gather of its columns by one ``fastmesh::matmul_all_gather``
+    (reshaped to the gathered tensor's leading dims). Returns the new node or an :class:`Unfusable`."""
+    build = _NodeBuilder(graph, match.collective)
+    a, b = match.matmul.args[:2]
+    try:
+        fused = out = build.call(torch.ops.fastmesh.matmul_all_gather.default, a, b, match.group_name)
+        if match.reshapes:  # the leading dims the product was reshaped to, as its reshape gives them
+            out = build.call(aten.reshape.default, fused, [*match.shard.args[1][:-1], -1])
+    except Exception as error:
+        build.undo()
+        return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")
+    match.gathered.replace_all_uses_with(out)
+    _erase(graph, [*reversed(match.layout_nodes), match.wait, match.collective, *match.reshapes, match.matmul])
+    return fused
 
 
 def fuse_all_gather(graph: Graph, match: GatherMatch):
