@@ -60,10 +60,10 @@ def init_mesh(
             according to ``torch.distributed.Backend.backend_capability``. Default:
             ``"gloo"`` for CPU; for an accelerator, gloo for CPU tensors and torch's default
             backend for the accelerator (``"cpu:gloo,cuda:nccl"`` for CUDA).
-        timeout (float or timedelta, optional): seconds after which a collective on the
-            default group fails instead of waiting forever. Used only when this call starts
-            the default group. Default: torch's (30 min for gloo, 10 min for NCCL). The
-            per-axis groups torch creates for the mesh keep torch's default.
+        timeout (float or timedelta, optional): seconds after which a collective fails
+            instead of waiting forever, on every group of the returned mesh (each axis's group,
+            which for an axis spanning the world is the default group) and on the default group
+            when this call starts it. Default: torch's (30 min for gloo, 10 min for NCCL).
         **axes (int): mesh axis sizes by name, in mesh order; one may be -1.
 
     Returns:
@@ -107,7 +107,12 @@ def init_mesh(
         if local_rank is not None:
             torch.get_device_module(device_type).set_device(local_rank)
         _init_default_group(chosen_backend, timeout)
-    return init_device_mesh(device_type, sizes, mesh_dim_names=tuple(axes))
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=tuple(axes))
+    if timeout is not None:
+        # torch creates the per-axis groups with its own default timeout.
+        for axis in range(mesh.ndim):
+            _set_timeout(timeout, mesh.get_group(axis))
+    return mesh
 
 
 def group_name(group: ProcessGroup | DeviceMesh | tuple[DeviceMesh, str] | str | None = None) -> str:
@@ -191,6 +196,10 @@ def _resolve_sizes(axes: dict[str, int], world_size: int, call: str) -> tuple[in
     if fixed != world_size:
         raise ValueError(f"{call} needs {fixed} ranks but the world has {world_size}")
     return tuple(axes.values())
+
+
+# torch >= 2.12 names it set_timeout (and deprecates the old name, the only one torch 2.11 has).
+_set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
 
 
 def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:

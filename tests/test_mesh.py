@@ -273,6 +273,31 @@ def test_two_axes_groups():
     assert group_name((mesh, "tp")) != group_name((mesh, "dp"))
 
 
+@on_ranks(4, timeout=120)
+def test_timeout_applies_to_every_axis_group():
+    # A stalled peer in a tp group: the survivor's collective on that group fails after the mesh's timeout, not
+    # torch's 30-minute default for new groups.
+    import time
+
+    rank = dist.get_rank()
+    mesh = init_mesh(dp=2, tp=2, timeout=3)
+    tp = mesh.get_group("tp")
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            dist.all_reduce(torch.ones(1), group=tp)  # rank 1, its tp peer, never joins
+        waited = time.monotonic() - start
+        assert 2 < waited < 30, waited
+    elif rank in (2, 3):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=tp)
+        assert t.item() == 2
+    dist.barrier()  # the default group (the pool's timeout) waits out rank 0; the tp group of 0, 1 is not used again
+    t = torch.ones(1)
+    dist.all_reduce(t, group=mesh.get_group("dp"))  # the dp groups still work
+    assert t.item() == 2
+
+
 @on_ranks(4)
 def test_group_name_of_two_axis_mesh_errors():
     mesh = init_mesh(dp=2, tp=2)
