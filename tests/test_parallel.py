@@ -307,6 +307,65 @@ def test_replicated_layouts_match_torchs_styles(world_size):
             assert issued[phase].get(torch.ops.fastmesh.matmul_all_reduce) == 1, (case, issued)
 
 
+@on_ranks(2, 4)
+def test_replicate_dtensor_input_matches_torchs_colwise(world_size):
+    """A ``Replicate()`` DTensor into ``FusedColwiseParallel(input_layouts=Replicate())`` (as after
+    ``PrepareModuleInput``) runs as torch's ``ColwiseParallel(input_layouts=Replicate())``: the same output
+    (local or DTensor, same placement; Shard(-1) or Replicate() out), input and parameter gradients, and the same
+    collectives forward and backward, none of them fastmesh's (odd sizes, float64)."""
+    mesh = _tp_mesh()
+    in_features, out_features = 3 * world_size, 5 * world_size
+    x = _randn((2, 3, in_features), seed=21, dtype=torch.float64)
+    for output_layout, use_local_output in itertools.product((Shard(-1), Replicate()), (True, False)):
+        torch.manual_seed(0)
+        unsharded = nn.Linear(in_features, out_features, dtype=torch.float64)
+        runs = {}
+        for plan, style in (("native", ColwiseParallel), ("fastmesh", FusedColwiseParallel)):
+            linear = parallelize_module(
+                copy.deepcopy(unsharded),
+                mesh,
+                style(input_layouts=Replicate(), output_layouts=output_layout, use_local_output=use_local_output),
+            )
+            xs = x.clone().requires_grad_()
+            out = {}
+
+            def step():
+                y = linear(DTensor.from_local(xs, mesh, [Replicate()], run_check=False))
+                out["y"] = y
+                local = y.to_local() if isinstance(y, DTensor) else y
+                # The same on every rank where the output is replicated; this rank's columns' gradient else.
+                seed = 22 if isinstance(output_layout, Replicate) else 22 + dist.get_rank()
+                (local * _randn(local.shape, seed=seed, dtype=torch.float64)).sum().backward()
+
+            named, issued = _count_phases(step)
+            params = {n: (p.placements, p.to_local().shape, _full(p.grad)) for n, p in linear.named_parameters()}
+            runs[plan] = (out["y"], xs.grad, params, named, issued)
+        (y, dx, params, named, issued), (want_y, want_dx, want_params, want_named, want_issued) = (
+            runs["fastmesh"],
+            runs["native"],
+        )
+        case = f"output_layouts={output_layout}, use_local_output={use_local_output}"
+        assert isinstance(y, DTensor) == isinstance(want_y, DTensor) == (not use_local_output), case
+        if not use_local_output:
+            assert y.placements == want_y.placements, (case, y.placements, want_y.placements)
+            y, want_y = y.to_local(), want_y.to_local()
+        torch.testing.assert_close(y, want_y, rtol=1e-12, atol=1e-12, msg=lambda m: f"{case}: output: {m}")
+        want_local = unsharded(x) if isinstance(output_layout, Replicate) else _shard(unsharded(x), -1)
+        torch.testing.assert_close(y, want_local, rtol=1e-12, atol=1e-12, msg=lambda m: f"{case}: vs unsharded: {m}")
+        assert dx is not None and want_dx is not None, case
+        torch.testing.assert_close(dx, want_dx, rtol=1e-12, atol=1e-12, msg=lambda m: f"{case}: grad x: {m}")
+        for name, (placements, shape, grad) in want_params.items():
+            assert params[name][:2] == (placements, shape), (case, name, params[name][:2], placements, shape)
+            torch.testing.assert_close(params[name][2], grad, rtol=1e-12, atol=1e-12, msg=f"{case}: grad {name}")
+        assert named == want_named and issued == want_issued, (case, issued, want_issued)
+        fused_ops = [op for ops in issued.values() for op in ops if op in _FUSED_AS]
+        assert not fused_ops, (case, issued)
+        # Replicate() out: one all-gather forward; its gradient comes back through the input's Partial grad,
+        # all-reduced where the replicated input was made (from_local's backward here).
+        forward_all_gathers = named["forward"].get("all_gather_into_tensor", 0)
+        assert forward_all_gathers == (1 if isinstance(output_layout, Replicate) else 0), (case, named)
+
+
 @on_ranks(2)
 def test_sibling_linears_with_replicated_input_share_one_all_reduce(world_size):
     """Plain TP, ``linears=`` with ``input_layouts=Replicate()``: the linears multiply locally and their input
