@@ -1,22 +1,32 @@
 """One Llama block's training step under fastmesh's fused TP plan against torch's native plan, eager and compiled.
 
 The step is a forward and backward of ``fastmesh.testing.llama.Block`` (RMSNorm, grouped-query attention with
-RoPE, SwiGLU feed-forward) on this rank's sequence shard ``x [B, S/tp, D]`` (requiring grad), loss
-``output.sum()``. Contenders, timed in the same interleaved rounds (each round starts with a barrier and counts
-as long as its slowest rank):
+RoPE, SwiGLU feed-forward) on this rank's block input ``x`` (requiring grad), loss ``output.sum()``, in one of two
+forms (``block_plan`` names):
 
-* ``fastmesh`` (kernel): ``block_plan("fastmesh")``, the block's 2 all-gathers and 2 reduce-scatters per pass
-  fused into its matmuls; ``native`` (baseline): ``block_plan("native")``, torch's SequenceParallel / Colwise /
-  Rowwise styles;
+* sequence-parallel (``--case tp_block=BxSxDxF``): ``x [B, S/tp, D]``; ``fastmesh`` (the block's 2 all-gathers
+  and 2 reduce-scatters per pass fused into its matmuls) against ``native`` (torch's SequenceParallel / Colwise /
+  Rowwise styles);
+* plain TP (``BxSxDxF:plain``): ``x [B, S, D]``, the same on every rank; ``fastmesh-plain`` (the 2 forward
+  all-reduces fused into the row-parallel matmuls, the input gradient of each sibling group, q/k/v and w1/w3,
+  summed by one fused all-reduce) against ``native-plain`` (torch's Colwise / Rowwise styles: the same 2 forward
+  all-reduces, one backward all-reduce per column-parallel linear, 5).
+
+Contenders, timed in the same interleaved rounds (each round starts with a barrier and counts as long as its
+slowest rank):
+
+* ``fastmesh`` (kernel) and ``native`` (baseline): the two plans, eager;
 * float32 / bfloat16 also compiled (``torch.compile(fullgraph=True)``, inductor): ``native_c``,
-  ``native_c+pass`` (the native plan compiled with fastmesh's fusion pass, which must fuse all 8 collectives or
-  leave them as not profitable: checked) and ``fastmesh_c``; ratios ``pass_speedup = native_c / native_c+pass`` and
+  ``native_c+pass`` (the native plan compiled with fastmesh's fusion pass, which must fuse every matmul
+  collective of the native graphs, 4 + 4 sequence-parallel and 2 + 5 plain, or leave them as not profitable:
+  checked) and ``fastmesh_c``; ratios ``pass_speedup = native_c / native_c+pass`` and
   ``compiled_speedup = native_c / fastmesh_c``;
-* float8: fastmesh's plan with ``Float8Config(granularity="rowwise")`` (tensor-wise on CPU before torch 2.13) on
-  bf16 weights against the bf16 native plan, and torchao's float8 plan (``Float8ColwiseParallel`` /
-  ``Float8RowwiseParallel``, tensor-wise) when torchao is installed and the backend carries float8 tensors
-  (NCCL; gloo does not);
-* ``comm`` (part): the step's 4 all-gathers and 4 reduce-scatters as c10d collectives alone, same sizes;
+* float8 (sequence-parallel only: the plain plan has no FP8 form): fastmesh's plan with
+  ``Float8Config(granularity="rowwise")`` (tensor-wise on CPU before torch 2.13) on bf16 weights against the bf16
+  native plan, and torchao's float8 plan (``Float8ColwiseParallel`` / ``Float8RowwiseParallel``, tensor-wise)
+  when torchao is installed and the backend carries float8 tensors (NCCL; gloo does not);
+* ``comm`` (part): fastmesh's plan's collectives alone as c10d collectives of the same sizes: 4 all-gathers and 4
+  reduce-scatters; plain, 4 all-reduces of ``[B, S, D]`` (the native plain plan runs 7);
 * ``bound``: ``max(comm, compute)`` per round, where ``compute`` is the native step without its communication:
   the timed native step minus its exposed communication (the time the main thread is blocked in c10d calls,
   profiled afterwards over a few steps, ``fastmesh/testing/comm_profile.py``; the slowest rank's). Under the
@@ -28,12 +38,13 @@ Every contender's output and input gradient is checked against the native plan's
 tolerance of inductor's fp32 intermediates; float8: a relative error bound). Compiling happens in that check,
 with inductor's graph caches off (a cached graph would not run the pass, whose report is checked).
 
-Cases: ``--case tp_block=BxSxDxF`` (batch, whole sequence length, model dim, feed-forward hidden dim; D/64 heads
-of 64, half as many key/value heads).
+Cases: ``--case tp_block=BxSxDxF[:plain]`` (batch, whole sequence length, model dim, feed-forward hidden dim; D/64
+heads of 64, half as many key/value heads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import torch
@@ -58,8 +69,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": 
 FP8_ROWWISE, FP8_TENSORWISE = Float8Config(granularity="rowwise"), Float8Config(granularity="tensorwise")
 # name -> (plan, fusion pass on): the compiled contenders
 COMPILED = {"native_c": ("native", False), "native_c+pass": ("native", True), "fastmesh_c": ("fastmesh", False)}
-# The collectives the pass must fuse per compiled block: 2 all-gathers and 2 reduce-scatters in each graph.
-FUSED_PER_GRAPH = {"forward": 4, "backward": 4}
 HEAD_DIM = 64
 PROFILE_STEPS = 3
 # assert_close (rtol, atol) between the plans, for unit-scale outputs and input gradients (|values| up to ~8).
@@ -73,30 +82,70 @@ _COMPILED_TOLERANCES = {"float32": (1e-5, 1e-5), "bfloat16": (5e-2, 1e-1)}
 # plan; fastmesh's row-wise forward ~25 dB = 5.6%, its e5m2 gradients ~21 dB = 9%). A wrong result is ~100%.
 _FP8_RELATIVE_ERROR = 0.15
 
-# Cases "BxSxDxF". Per rank and step the collectives move 8 * B*S/2*D elements and the matmuls do
-# ~3 * B*S*D*(2*D + 2*Dkv + 3*F)/2 flops, plus attention (~S per element) and the elementwise work. Measured on
-# the 2-core dev machine, 1 thread per rank: fp32 reaches comm/compute 0.27-0.35 at these sizes; bf16 halves the
-# bytes but not the compute time (no AMX; bf16 elementwise ops convert) and stays at 0.14-0.24.
-FULL_SHAPES = ["8x256x256x256", "8x256x256x512", "4x512x256x256", "16x128x512x512", "8x256x512x512"]
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """What the block's two TP forms do differently: the plans' names, the collectives fastmesh's fusion pass
+    must take per compiled graph of the native plan, and the part of the sequence each rank holds."""
+
+    plans: dict[str, str]  # contender's plan ("native", "fastmesh", as in COMPILED) -> block_plan name
+    fused_per_graph: dict[str, int]
+    sequence_parallel: bool
+    suffix: str  # of the case spec and label
+
+
+SEQUENCE_PARALLEL = Form({"native": "native", "fastmesh": "fastmesh"}, {"forward": 4, "backward": 4}, True, "")
+# Plain: 2 all-reduces of row-parallel products forward; backward, one per column-parallel linear's input gradient.
+PLAIN = Form({"native": "native-plain", "fastmesh": "fastmesh-plain"}, {"forward": 2, "backward": 5}, False, ":plain")
+FORMS = {form.suffix: form for form in (SEQUENCE_PARALLEL, PLAIN)}
+
+# Cases "BxSxDxF[:plain]". Per rank and step the collectives move 8 * B*S/2*D elements (plain: 4 all-reduces of
+# B*S*D, about the same bytes) and the matmuls do ~3 * B*S*D*(2*D + 2*Dkv + 3*F)/2 flops, plus attention (~S per
+# element) and the elementwise work (plain: the norms and residuals on the whole sequence). Measured on the
+# 2-core dev machine, 1 thread per rank, sequence-parallel: fp32 reaches comm/compute 0.27-0.35 at these sizes;
+# bf16 halves the bytes but not the compute time (no AMX; bf16 elementwise ops convert) and stays at 0.14-0.24.
+# The plain cases take D = 256 (the least flops per communicated byte) and the shorter sequences.
+FULL_SHAPES = [
+    "8x256x256x256",
+    "8x256x256x512",
+    "4x512x256x256",
+    "16x128x512x512",
+    "8x256x512x512",
+    "8x256x256x512:plain",
+    "4x512x256x256:plain",
+    "16x128x256x256:plain",
+]
 QUICK_SHAPES = ["8x256x256x512"]
 
 
-def parse_shape(spec: str, world: int = 2) -> tuple[int, int, int, int]:
+def parse_case(spec: str, world: int = 2) -> tuple[tuple[int, int, int, int], Form]:
+    """``"BxSxDxF[:plain]"`` -> ((batch, seq_len, dim, ffn_hidden), form)."""
+    shape_spec, colon, suffix = spec.partition(":")
+    form = FORMS.get(colon + suffix)
     try:
-        batch, seq_len, dim, ffn_hidden = (int(s) for s in spec.split("x"))
+        if form is None:
+            raise ValueError
+        batch, seq_len, dim, ffn_hidden = (int(s) for s in shape_spec.split("x"))
     except ValueError:
-        raise ValueError(f'tp_block case {spec!r}: expected "BxSxDxF", e.g. "8x256x256x512"') from None
+        raise ValueError(
+            f'tp_block case {spec!r}: expected "BxSxDxF" or "BxSxDxF:plain", e.g. "8x256x256x512"'
+        ) from None
+    sequence = form.sequence_parallel
     if (
         min(batch, seq_len, dim, ffn_hidden) <= 0
         or dim % (2 * HEAD_DIM * world)
-        or seq_len % world
         or ffn_hidden % world
+        or (sequence and seq_len % world)
     ):
         raise ValueError(
-            f"tp_block case {spec!r}: S, F and D/{2 * HEAD_DIM} (the key/value heads) must be positive "
-            f"and divisible by the {world} ranks"
+            f"tp_block case {spec!r}: {'S, ' if sequence else ''}F and D/{2 * HEAD_DIM} (the key/value heads) must "
+            f"be positive and divisible by the {world} ranks"
         )
-    return batch, seq_len, dim, ffn_hidden
+    return (batch, seq_len, dim, ffn_hidden), form
+
+
+def shape_label(shape, form) -> str:
+    return "x".join(map(str, shape)) + form.suffix
 
 
 def _step(block, x, rope, fusion=None):
@@ -118,17 +167,19 @@ def _step(block, x, rope, fusion=None):
     return step
 
 
-def _check_fused(report, rank):
-    """Every collective of the native block fused, or left because its plan is the unfused sequence."""
+def _check_fused(report, form, rank):
+    """Every matmul collective of the native block fused, or left because its plan is the unfused sequence;
+    returns how many were fused."""
     taken = {
         kind: sum(e.graph_kind == kind and (e.fused or e.unprofitable) for e in report.entries)
-        for kind in FUSED_PER_GRAPH
+        for kind in form.fused_per_graph
     }
-    if any(not e.unprofitable for e in report.unfused) or taken != FUSED_PER_GRAPH:
+    if any(not e.unprofitable for e in report.unfused) or taken != form.fused_per_graph:
         raise RuntimeError(
             f"rank {rank}: the fusion pass did not fuse the native block as expected "
-            f"({taken} instead of {FUSED_PER_GRAPH}):\n{report}"
+            f"({taken} instead of {form.fused_per_graph}):\n{report}"
         )
+    return len(report.fused)
 
 
 def _fp8_config(device_type, note):
@@ -139,7 +190,7 @@ def _fp8_config(device_type, note):
 
 
 def _variants(dtype_name, mesh, note):
-    """{contender: (plan, fusion, make block)} for one dtype."""
+    """{contender: (plan, fusion)} for one dtype; plan "native" / "fastmesh" (the form names the block plan)."""
     variants = {"native": ("native", None), "fastmesh": ("fastmesh", None)}
     if dtype_name == "float8":
         ok, why = torchao_baselines.status()
@@ -155,7 +206,7 @@ def _variants(dtype_name, mesh, note):
     return variants
 
 
-def block_steps(shape, dtype_name, mesh, note):
+def block_steps(shape, form, dtype_name, mesh, note):
     """{contender: step()} on the same input and initial weights, after checking every contender's output and
     input gradient against the native plan's (which also compiles the compiled ones)."""
     batch, seq_len, dim, ffn_hidden = shape
@@ -164,14 +215,17 @@ def block_steps(shape, dtype_name, mesh, note):
     args = LlamaArgs(dim=dim, n_heads=heads, n_kv_heads=heads // 2, ffn_hidden=ffn_hidden)
     rope = tuple(t.to(mesh.device_type) for t in rope_tables(seq_len, args.head_dim, args.rope_theta))
     dtype = TORCH_DTYPES[dtype_name]
-    x = torch.randn(batch, seq_len // tp, dim, generator=torch.Generator().manual_seed(1000 + rank))
+    if form.sequence_parallel:
+        x = torch.randn(batch, seq_len // tp, dim, generator=torch.Generator().manual_seed(1000 + rank))
+    else:  # replicated: the same on every rank
+        x = torch.randn(batch, seq_len, dim, generator=torch.Generator().manual_seed(1000))
     x = x.to(device=mesh.device_type, dtype=dtype).requires_grad_()
     variants = _variants(dtype_name, mesh, note)
     fp8_config = _fp8_config(mesh.device_type, note)
     # The compiled contenders share one code object (the lambda in _step): forget earlier cases' graphs so that
     # this case's three stay under dynamo's recompile limit (hitting it fails, see run()).
     torch._dynamo.reset()
-    steps, results = {}, {}
+    steps, results, fused = {}, {}, None
     for name, (plan, fusion) in variants.items():
         torch.manual_seed(0)  # the same initial weights for every contender (each shards them from rank 0's)
         block = Block(args).to(device=mesh.device_type, dtype=dtype)
@@ -179,7 +233,7 @@ def block_steps(shape, dtype_name, mesh, note):
             block = parallelize_module(torchao_baselines.convert(block), mesh, torchao_baselines.block_plan(mesh))
         else:
             fp8 = fp8_config if plan == "fastmesh" and dtype_name == "float8" else None
-            block = parallelize_module(block, mesh, block_plan(plan, fp8=fp8))
+            block = parallelize_module(block, mesh, block_plan(form.plans[plan], fp8=fp8))
         steps[name] = _step(block, x, rope, fusion)
         fastmesh.compile.fusion_report(reset=True)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -187,27 +241,40 @@ def block_steps(shape, dtype_name, mesh, note):
         if fusion is not None and torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs + 1:
             raise RuntimeError(f"rank {rank}: {name} did not compile its own graph")
         if fusion:
-            _check_fused(fastmesh.compile.fusion_report(), rank)
+            fused = _check_fused(fastmesh.compile.fusion_report(), form, rank)
+    if fused == 0:
+        note(
+            f"{shape_label(shape, form)} {dtype_name}: the fusion pass left every collective (the fused ops' plans "
+            "are unfused at these shapes), so native_c+pass runs native_c's graph"
+        )
     for name in variants:
         if name == "native":
             continue
         for what, want, got in zip(("output", "input gradient"), results["native"], results[name]):
-            where = f"rank {rank}, {shape}, {dtype_name}, {name} {what}"
+            where = f"rank {rank}, {shape_label(shape, form)}, {dtype_name}, {name} {what}"
             if dtype_name == "float8":
                 error = ((got.float() - want.float()).norm() / want.float().norm()).item()
                 if not error <= _FP8_RELATIVE_ERROR:
                     raise AssertionError(f"{where}: relative error {error:.3f} > {_FP8_RELATIVE_ERROR}")
             else:
-                rtol, atol = (_TOLERANCES if fusion is None else _COMPILED_TOLERANCES)[dtype_name]
+                rtol, atol = (_TOLERANCES if variants[name][1] is None else _COMPILED_TOLERANCES)[dtype_name]
                 torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{where}: {m}")
     return steps
 
 
-def comm_step(shape, dtype, group, device):
-    """The block step's collectives alone, as c10d collectives of the step's sizes."""
+def comm_step(shape, form, dtype, group, device):
+    """fastmesh's plan's collectives of the block step alone, as c10d collectives of the step's sizes."""
     batch, seq_len, dim, _ = shape
     world = group.size()
-    all_gather, reduce_scatter = all_gather_into, reduce_scatter_into
+    if not form.sequence_parallel:
+        # Zeros stay zeros however often they are summed.
+        activation = torch.zeros(batch * seq_len * dim, device=device, dtype=dtype)
+
+        def comm():
+            for _ in range(4):  # 2 per pass, forward and backward
+                dist.all_reduce(activation, group=group)
+
+        return comm
     shard_numel = batch * seq_len // world * dim
     shard = torch.randn(shard_numel, device=device).to(dtype)
     full = torch.randn(world * shard_numel, device=device).to(dtype)
@@ -215,8 +282,8 @@ def comm_step(shape, dtype, group, device):
 
     def comm():
         for _ in range(4):  # 2 per pass, forward and backward
-            all_gather(gathered, shard, group=group)
-            reduce_scatter(scattered, full, group=group)
+            all_gather_into(gathered, shard, group=group)
+            reduce_scatter_into(scattered, full, group=group)
 
     return comm
 
@@ -248,16 +315,18 @@ def run(ctx: Context) -> None:
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     world = ctx.group.size()
-    cases = [
-        (parse_shape(s, world), s, d)
-        for d in ctx.dtypes
-        if d in TORCH_DTYPES
-        for s in (ctx.cases or (QUICK_SHAPES if ctx.quick else FULL_SHAPES))
-    ]
+    cases = []
+    for dtype_name in (d for d in ctx.dtypes if d in TORCH_DTYPES):
+        for spec in ctx.cases or (QUICK_SHAPES if ctx.quick else FULL_SHAPES):
+            shape, form = parse_case(spec, world)
+            if dtype_name == "float8" and not form.sequence_parallel:
+                ctx.note(f"{spec} float8 skipped: the plain TP plan has no FP8 form (fp8 needs sequence parallelism)")
+                continue
+            cases.append((shape, form, spec, dtype_name))
     ctx.expect(len(cases))
-    for shape, spec, dtype_name in cases:
-        steps = block_steps(shape, dtype_name, ctx.mesh, ctx.note)
-        steps["comm"] = comm_step(shape, TORCH_DTYPES[dtype_name], ctx.group, ctx.device)
+    for shape, form, spec, dtype_name in cases:
+        steps = block_steps(shape, form, dtype_name, ctx.mesh, ctx.note)
+        steps["comm"] = comm_step(shape, form, TORCH_DTYPES[dtype_name], ctx.group, ctx.device)
         timings = time_slowest_rank(steps, ctx.group, ctx.warmup, ctx.repeats, ctx.clock)
         native_exposed = exposed_communication(steps["native"], ctx.group)
         fastmesh_exposed = exposed_communication(steps["fastmesh"], ctx.group)
@@ -280,26 +349,27 @@ def run(ctx: Context) -> None:
             "fastmesh_exposed": fastmesh_exposed,
         }
         batch, seq_len, dim, ffn_hidden = shape
+        params = {"batch": batch, "seq_len": seq_len, "dim": dim, "ffn_hidden": ffn_hidden, "world": world}
         ctx.emit(
             Case(
                 "tp_block",
-                f"block {spec}",
+                f"block {spec.replace(':', ' ')}",
                 dtype_name,
                 "fastmesh",
                 contenders,
                 extra_ratios=extra,
                 details=details,
-                params={"batch": batch, "seq_len": seq_len, "dim": dim, "ffn_hidden": ffn_hidden, "world": world},
+                params={**params, "sequence_parallel": form.sequence_parallel},
             )
         )
 
 
 FAMILY = Family(
     "tp_block",
-    "one Llama block's forward+backward: fastmesh's plan against torch's native plan, eager, "
-    "compiled and with fastmesh's fusion pass, and max(comm, compute)",
+    "one Llama block's forward+backward, sequence-parallel or plain TP: fastmesh's plan against torch's native "
+    "plan, eager, compiled and with fastmesh's fusion pass, and max(comm, compute)",
     distributed=True,
     dtypes=tuple(TORCH_DTYPES),
     run=run,
-    parse_case=parse_shape,
+    parse_case=parse_case,
 )

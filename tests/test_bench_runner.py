@@ -24,6 +24,7 @@ TINY_CASES = [
     "fused_collectives=ar:2x32x48:40",
     "sweep=rs:64x32:0:64",
     "tp_block=2x64x256x256",
+    "tp_block=2x64x256x256:plain",
 ]
 TINY = ["--repeats", "2", "--warmup", "0"]
 META_KEYS = {"date", "machine", "versions", "commit", "command", "run"}
@@ -108,15 +109,20 @@ def test_runner_every_family_on_tiny_sizes(tmp_path):
         granularities
     )
     assert {r["params"]["granularity"] for r in fused if r["dtype"] == "float8"} == granularities
-    block = {r["dtype"]: r for r in rows["tp_block"]["rows"]}
-    assert {"native", "native_c", "native_c+pass", "fastmesh_c"} <= set(block["float32"]["figures"])
-    assert "pass_speedup" in block["float32"]["ratios"] and "native" in block["float8"]["figures"]
+    block = {(r["params"]["sequence_parallel"], r["dtype"]): r for r in rows["tp_block"]["rows"]}
+    assert sorted(block) == [(False, "float32"), (True, "float32"), (True, "float8")], "plain TP has no float8"
+    for sequence_parallel in (True, False):
+        figures_ = block[sequence_parallel, "float32"]["figures"]
+        assert {"native", "native_c", "native_c+pass", "fastmesh_c"} <= set(figures_), sequence_parallel
+        assert "pass_speedup" in block[sequence_parallel, "float32"]["ratios"], sequence_parallel
+    assert "native" in block[True, "float8"]["figures"] and block[False, "float32"]["case"].endswith(" plain")
+    assert "2x64x256x256:plain float8 skipped" in " ".join(rows["tp_block"]["notes"])
     assert sum("pieces=2" in r["case"] and r["params"]["pieces"] == 2 for r in fused) == 3  # float32, 2 x float8
     assert all(r["plan"]["label"] == "rowsx2" for r in fused if r["params"]["pieces"] == 2)
     notes = " ".join(rows["fused_collectives"]["notes"])
     assert "symm_mem baseline not run" in notes and "[64, 64] d-1 N=16 float8 skipped" in notes
     # The table and the progress lines.
-    assert "[tp_block 2/2" in stdout and "speedup_vs_unfused" in stdout
+    assert "[tp_block 3/3" in stdout and "speedup_vs_unfused" in stdout
     markdown = (out / "bench.md").read_text()
     assert all(f"\n{name} (medians" in markdown for name in runner.FAMILIES) and "| case | dtype |" in markdown
     pngs = sorted(p.name for p in out.glob("*.png"))
@@ -213,6 +219,7 @@ def test_runner_under_torchrun_uses_its_world(tmp_path):
         (["--case", "fused_collectives=ag:64x128:0:32:-1"], "PIECES must be >= 0"),
         (["--case", "sweep=ag:64x128:0"], "sweep case 'ag:64x128:0': expected"),
         (["--case", "tp_block=2x64x200x256"], "must be positive and divisible by the 2 ranks"),
+        (["--case", "tp_block=2x64x256x256:sp"], 'expected "BxSxDxF" or "BxSxDxF:plain"'),
         (["--case", "fp8_quantize=100x256"], "multiples of 128"),
         (["--case", "nosuch=1"], "expected NAME=SPEC with NAME one of fp8_quantize"),
         (["--only", "amax", "--case", "tp_block=2x64x256x256"], "--case given for tp_block, which --only leaves out"),
