@@ -34,6 +34,15 @@ inline void check_scattered_divisible(int64_t scattered, int64_t world, int64_t 
                     ", which is not divisible by the group size ", world);
 }
 
+// a [..., K] by b [K, N] of one matmul dtype, on one device.
+inline void check_matmul_operands(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  check_tensor(a, op, "a", kMatmulDtypes, 1);
+  check_tensor(b, op, "b", kMatmulDtypes, 2, 2);
+  check_like(b, a, op, "b", "a");
+  TORCH_CHECK_VALUE(b.size(0) == a.size(-1), op, ": b must have ", a.size(-1), " rows (a's last dim), got shape ",
+                    b.sizes());
+}
+
 inline void check_reduce_op(c10::string_view reduce_op, const char* op) {
   TORCH_CHECK_VALUE(reduce_op == "sum" || reduce_op == "avg", op, ": reduce_op must be \"sum\" or \"avg\", got \"",
                     std::string(reduce_op), '"');

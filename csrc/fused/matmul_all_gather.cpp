@@ -33,11 +33,7 @@ std::vector<int64_t> with_columns(const at::Tensor& a, int64_t columns) {
 
 at::Tensor matmul_all_gather(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name, int64_t pieces,
                              c10::string_view split) {
-  check_tensor(a, kOp, "a", kMatmulDtypes, 1);
-  check_tensor(b, kOp, "b", kMatmulDtypes, 2, 2);
-  check_like(b, a, kOp, "b", "a");
-  TORCH_CHECK_VALUE(b.size(0) == a.size(-1), kOp, ": b must have ", a.size(-1), " rows (a's last dim), got shape ",
-                    b.sizes());
+  check_matmul_operands(a, b, kOp);
   check_pieces(pieces, kOp);
   const pipeline::Split schedule = check_split(split, kOp);
   TORCH_CHECK_VALUE(schedule != pipeline::Split::kColumns, kOp,

@@ -27,11 +27,7 @@ using pipeline::RowLayout;
 at::Tensor matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
                                  c10::string_view reduce_op, c10::string_view group_name, int64_t pieces,
                                  c10::string_view split) {
-  check_tensor(a, kOp, "a", kMatmulDtypes, 1);
-  check_tensor(b, kOp, "b", kMatmulDtypes, 2, 2);
-  check_like(b, a, kOp, "b", "a");
-  TORCH_CHECK_VALUE(b.size(0) == a.size(-1), kOp, ": b must have ", a.size(-1), " rows (a's last dim), got shape ",
-                    b.sizes());
+  check_matmul_operands(a, b, kOp);
   const int64_t dim = wrap_dim(scatter_dim, a.dim(), kOp, "scatter_dim", "a");
   check_reduce_op(reduce_op, kOp);
   check_pieces(pieces, kOp);

@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from fastmesh.ops._checks import REDUCE_OPS
+from fastmesh.ops._checks import MATMUL_DTYPES, REDUCE_OPS, check_tensor
 from fastmesh.ops._collectives import reduce_scatter
 
 
@@ -50,6 +50,15 @@ def check_pieces(pieces, op: str) -> None:
 def check_reduce_op(reduce_op, op: str) -> None:
     if reduce_op not in REDUCE_OPS:
         raise ValueError(f'{op}: reduce_op must be "sum" or "avg", got "{reduce_op}"')
+
+
+def check_matmul_operands(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+    """a ``[..., K]`` by b ``[K, N]`` of one matmul dtype, on one device (as ``csrc/fused/checks.h``)."""
+    check_tensor(a, op, "a", MATMUL_DTYPES, min_dim=1)
+    check_tensor(b, op, "b", MATMUL_DTYPES, min_dim=2, max_dim=2)
+    check_like(b, a, op, "b", "a")
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{op}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
 
 
 def check_like(t: torch.Tensor, reference: torch.Tensor, op: str, arg: str, reference_arg: str) -> None:

@@ -44,6 +44,7 @@ from fastmesh.ops._fp8_operands import check_config
 from fastmesh.ops._fused_common import (
     as_matrix,
     check_like,
+    check_matmul_operands,
     check_pieces,
     check_reduce_op,
     check_scattered_divisible,
@@ -92,11 +93,7 @@ def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, pieces) -> int
 
 def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, pieces) -> int:
     """Checks every argument; returns scatter_dim made non-negative."""
-    check_tensor(a, _RS, "a", MATMUL_DTYPES, min_dim=1)
-    check_tensor(b, _RS, "b", MATMUL_DTYPES, min_dim=2, max_dim=2)
-    check_like(b, a, _RS, "b", "a")
-    if b.shape[0] != a.shape[-1]:
-        raise ValueError(f"{_RS}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
+    check_matmul_operands(a, b, _RS)
     dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")
     check_reduce_op(reduce_op, _RS)
     check_pieces(pieces, _RS)

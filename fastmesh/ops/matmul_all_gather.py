@@ -32,19 +32,14 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, plans, traced_unfused
-from fastmesh.ops._checks import MATMUL_DTYPES, check_tensor
-from fastmesh.ops._fused_common import as_matrix, check_like, check_pieces, group_size, resolve_group
+from fastmesh.ops._fused_common import as_matrix, check_matmul_operands, check_pieces, group_size, resolve_group
 from fastmesh.ops._library import library, qualified_name
 
 _OP = "fastmesh::matmul_all_gather"
 
 
 def _check(a, b, pieces) -> None:
-    check_tensor(a, _OP, "a", MATMUL_DTYPES, min_dim=1)
-    check_tensor(b, _OP, "b", MATMUL_DTYPES, min_dim=2, max_dim=2)
-    check_like(b, a, _OP, "b", "a")
-    if b.shape[0] != a.shape[-1]:
-        raise ValueError(f"{_OP}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
+    check_matmul_operands(a, b, _OP)
     check_pieces(pieces, _OP)
 
 

@@ -32,7 +32,6 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, plans, traced_unfused
-from fastmesh.ops._checks import MATMUL_DTYPES, check_tensor
 from fastmesh.ops._fp8_operands import (
     check_config,
     check_scaled_operands,
@@ -42,7 +41,7 @@ from fastmesh.ops._fp8_operands import (
 )
 from fastmesh.ops._fused_common import (
     as_matrix,
-    check_like,
+    check_matmul_operands,
     check_pieces,
     check_reduce_op,
     group_size,
@@ -59,11 +58,7 @@ _SOP = "fastmesh::scaled_matmul_all_reduce"
 
 
 def _check_matmul_all_reduce(a, b, reduce_op, pieces) -> None:
-    check_tensor(a, _OP, "a", MATMUL_DTYPES, min_dim=1)
-    check_tensor(b, _OP, "b", MATMUL_DTYPES, min_dim=2, max_dim=2)
-    check_like(b, a, _OP, "b", "a")
-    if b.shape[0] != a.shape[-1]:
-        raise ValueError(f"{_OP}: b must have {a.shape[-1]} rows (a's last dim), got shape {list(b.shape)}")
+    check_matmul_operands(a, b, _OP)
     check_reduce_op(reduce_op, _OP)
     check_pieces(pieces, _OP)
 

@@ -92,16 +92,21 @@ def _matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, pieces=0):
     return traced_reduce_scatter(a @ b, dim, group_name, reduce_op)
 
 
+def _traced_unfused(a, b, pieces, plan_call) -> bool:
+    """Whether a call whose whole product travels runs its unfused plan: traced as its collective."""
+    return (
+        not pieces
+        and a.numel() != 0
+        and b.numel() != 0
+        and plans.has_static_shape(a, b)
+        and plans.unfused_offline(plan_call()) is not None
+    )
+
+
 def _matmul_all_reduce(a, b, reduce_op, group_name, pieces=0):
     from fastmesh.ops.matmul_all_reduce import plan_call
 
-    if (
-        pieces
-        or a.numel() == 0
-        or b.numel() == 0
-        or not plans.has_static_shape(a, b)
-        or plans.unfused_offline(plan_call(a, b, group_name)) is None
-    ):
+    if not _traced_unfused(a, b, pieces, lambda: plan_call(a, b, group_name)):
         return NotImplemented
     return traced_all_reduce(a @ b, group_name, reduce_op)
 
@@ -109,12 +114,6 @@ def _matmul_all_reduce(a, b, reduce_op, group_name, pieces=0):
 def _matmul_all_gather(a, b, group_name, pieces=0):
     from fastmesh.ops.matmul_all_gather import plan_call
 
-    if (
-        pieces
-        or a.numel() == 0
-        or b.numel() == 0
-        or not plans.has_static_shape(a, b)
-        or plans.unfused_offline(plan_call(a, b, group_name)) is None
-    ):
+    if not _traced_unfused(a, b, pieces, lambda: plan_call(a, b, group_name)):
         return NotImplemented
     return traced_all_gather(a @ b, -1, group_name)
