@@ -35,7 +35,7 @@ void gather_contraction(const Group& group, const at::Tensor& shard, at::TensorL
   const int64_t k = shard.size(-1);
   const at::Tensor shard_rows = rows_view(shard);
   const RowLayout layout = pipeline::row_layout(shard_rows.sizes(), 1);  // units = rows
-  GatheredPieces gathered(group, shard_rows, layout, pieces);
+  GatheredPieces gathered(group, kOp, shard_rows, layout, pieces);
 
   auto b_part = [&](size_t i, int64_t j) { return bs[i].narrow(0, j * k, k); };
   // The local partial products, per piece, while the first pieces travel.
@@ -130,14 +130,14 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
   if (schedule == pipeline::Split::kNone) {  // the whole gather, then one multiply per b (b read once)
     const at::Tensor gathered = a_full ? *a_full : at::empty(full_sizes, a_shard.options());
     const at::Tensor blocks = rank_blocks_view(gathered, layout, world);
-    gather_rows(group, shard, dim, &blocks, 1, [](int64_t, Piece, const at::Tensor&) {});
+    gather_rows(group, kOp, shard, dim, &blocks, 1, [](int64_t, Piece, const at::Tensor&) {});
     for (size_t i = 0; i < bs.size(); ++i) at::matmul_out(outs[i], gathered, bs[i]);
     return {a_full, outs};
   }
   std::vector<at::Tensor> out_blocks;
   for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
   const at::Tensor a_blocks = a_full ? rank_blocks_view(*a_full, layout, world) : at::Tensor();
-  gather_rows(group, shard, dim, a_full ? &a_blocks : nullptr, pieces,
+  gather_rows(group, kOp, shard, dim, a_full ? &a_blocks : nullptr, pieces,
               [&](int64_t j, Piece piece, const at::Tensor& rows) {
                 for (size_t i = 0; i < bs.size(); ++i)
                   matmul_into(rank_block(out_blocks[i], layout, j, piece), rows, bs[i]);

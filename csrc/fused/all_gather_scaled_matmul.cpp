@@ -80,7 +80,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   const at::Tensor shard = a_shard.contiguous();
   at::Tensor scale_shard = a_scale.contiguous().view({-1});
   at::Tensor scales = at::empty({world * scale_shard.numel()}, a_scale.options());
-  InFlight scales_transfer;
+  InFlight scales_transfer(group, kOp, "a_scale (gathered before the pieces)");
   if (world > 1) scales_transfer.add({start_all_gather(group, scales, scale_shard)});
   if (world == 1) scales.copy_(scale_shard);
   bool scales_arrived = world == 1;
@@ -95,7 +95,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   if (schedule == pipeline::Split::kNone) {  // the whole gather, then one scaled multiply per b (b read once)
     const at::Tensor gathered = a_full ? *a_full : at::empty(full_sizes, a_shard.options());
     const at::Tensor gathered_bytes = rank_blocks_view(gathered.view(at::kByte), layout, world);
-    gather_rows(group, shard.view(at::kByte), dim, &gathered_bytes, 1, [](int64_t, Piece, const at::Tensor&) {});
+    gather_rows(group, kOp, shard.view(at::kByte), dim, &gathered_bytes, 1, [](int64_t, Piece, const at::Tensor&) {});
     if (world > 1) scales_transfer.wait(0);
     const at::Tensor gathered_scale =
         a_scale_full ? *a_scale_full : at::empty(rowwise_sizes(full_sizes), a_scale.options());
@@ -110,8 +110,8 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   std::vector<at::Tensor> out_blocks;
   for (const at::Tensor& out : outs) out_blocks.push_back(rank_blocks_view(out, layout, world));
   const at::Tensor a_bytes = a_full ? rank_blocks_view(a_full->view(at::kByte), layout, world) : at::Tensor();
-  gather_rows(group, shard.view(at::kByte), dim, a_full ? &a_bytes : nullptr, scaled_pieces(pieces, shard.device()),
-              [&](int64_t j, Piece piece, const at::Tensor& block_bytes) {
+  gather_rows(group, kOp, shard.view(at::kByte), dim, a_full ? &a_bytes : nullptr,
+              scaled_pieces(pieces, shard.device()), [&](int64_t j, Piece piece, const at::Tensor& block_bytes) {
                 if (j != rank && !scales_arrived) {
                   scales_transfer.wait(0);
                   scales_arrived = true;

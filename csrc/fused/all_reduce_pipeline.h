@@ -36,7 +36,7 @@ at::Tensor all_reduce_product(const Group& group, const std::vector<int64_t>& ou
   const int64_t count = split == pipeline::Split::kNone
                             ? 1
                             : pipeline::choose_pieces(rows, out_rows.size(1) * out.element_size(), pieces);
-  InFlight works;
+  InFlight works(group, op);
   for (const pipeline::Piece& piece : pipeline::split_units(rows, count)) {
     // A range of rows of a contiguous matrix is contiguous: each piece's all-reduce works in place.
     at::Tensor slice = out_rows.narrow(0, piece.unit_begin, piece.units());

@@ -29,9 +29,10 @@ class GatheredPieces {
   bool into_destination = false;  // the parts are the destination's blocks: nothing to copy there
 
   // Starts every piece's transfer; the transport runs them back to back. A group of one has nothing to
-  // receive: no pieces.
-  GatheredPieces(const Group& group, const at::Tensor& shard_rows, const RowLayout& layout, int64_t requested_pieces,
-                 const at::Tensor* destination = nullptr) {
+  // receive: no pieces. `op` names the op in the error of a failed wait.
+  GatheredPieces(const Group& group, const char* op, const at::Tensor& shard_rows, const RowLayout& layout,
+                 int64_t requested_pieces, const at::Tensor* destination = nullptr)
+      : works_(group, op) {
     const int64_t world = group->getSize(), rank = group->getRank();
     if (world == 1) return;
     const bool p2p = point_to_point(group, shard_rows.device());
@@ -92,13 +93,14 @@ inline std::vector<int64_t> with_size(at::IntArrayRef sizes, int64_t dim, int64_
 // multiply(rank, piece, rows) with rows the [B, rows, K] block of `shard`'s dtype (the transport dtype)
 // that rank `rank` holds for `piece`: first the whole local shard, then the others' parts of each
 // piece as it arrives. Copies every block into `a_blocks` ([P, W, Q, K] view of the gathered a) if given.
+// `op` names the op in errors.
 template <typename MultiplyBlock>
-void gather_rows(const Group& group, const at::Tensor& shard, int64_t dim, const at::Tensor* a_blocks, int64_t pieces,
-                 const MultiplyBlock& multiply) {
+void gather_rows(const Group& group, const char* op, const at::Tensor& shard, int64_t dim, const at::Tensor* a_blocks,
+                 int64_t pieces, const MultiplyBlock& multiply) {
   const int64_t world = group->getSize(), rank = group->getRank();
   const RowLayout layout = pipeline::row_layout(shard.sizes(), dim);
   const int64_t k = shard.size(-1);
-  GatheredPieces gathered(group, rows_view(shard), layout, pieces, a_blocks);
+  GatheredPieces gathered(group, op, rows_view(shard), layout, pieces, a_blocks);
 
   const at::Tensor shard_block = shard.view({layout.outer, layout.inner, k});
   const Piece whole{0, layout.units};

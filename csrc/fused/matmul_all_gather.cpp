@@ -56,7 +56,7 @@ at::Tensor matmul_all_gather(const at::Tensor& a, const at::Tensor& b, c10::stri
   const bool p2p = point_to_point(group, a.device());
   at::Tensor storage = at::empty({world * rows * n}, a.options());
   std::vector<at::Tensor> buffers;  // piece i's [world, rows_i, n]
-  InFlight works;
+  InFlight works(group, kOp);
   int64_t offset = 0;
   for (size_t i = 0; i < row_pieces.size(); ++i) {
     const pipeline::Piece& piece = row_pieces[i];

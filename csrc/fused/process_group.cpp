@@ -8,6 +8,9 @@
 #include <torch/csrc/distributed/c10d/debug.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -52,47 +55,146 @@ Work start_all_reduce_sum(const Group& group, at::Tensor& tensor) {
   return group->allreduce(tensors, options);
 }
 
-bool point_to_point(const Group& group, const at::Device& device) {
-  return group->getBackend(device.type())->getBackendName() == "gloo";
-}
-
 namespace {
 
-void start_send(const Group& group, std::vector<Work>& works, const at::Tensor& tensor, int64_t peer, int tag) {
-  std::vector<at::Tensor> tensors{tensor};
-  works.push_back(group->send(tensors, static_cast<int>(peer), tag));
-}
+enum class Transport { kAuto, kCollective, kPointToPoint };
 
-void start_recv(const Group& group, std::vector<Work>& works, const at::Tensor& tensor, int64_t peer, int tag) {
-  std::vector<at::Tensor> tensors{tensor};
-  works.push_back(group->recv(tensors, static_cast<int>(peer), tag));
+constexpr const char* kTransportVariable = "FASTMESH_TRANSPORT";
+
+// Read on every call, so that a test can switch it between calls: one getenv and a few compares.
+Transport transport_setting() {
+  const char* value = std::getenv(kTransportVariable);
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return Transport::kAuto;
+  if (std::strcmp(value, "collective") == 0) return Transport::kCollective;
+  if (std::strcmp(value, "p2p") == 0) return Transport::kPointToPoint;
+  TORCH_CHECK_VALUE(false, kTransportVariable, " (how the fused ops move their pieces) must be \"auto\", ",
+                    "\"collective\" or \"p2p\", got \"", value, '"');
 }
 
 }  // namespace
 
-std::vector<Work> start_piece_exchange(const Group& group, const at::Tensor& mine, const std::vector<at::Tensor>& parts,
-                                       int tag) {
+bool point_to_point(const Group& group, const at::Device& device) {
+  const Transport transport = transport_setting();
+  if (transport == Transport::kCollective) return false;
+  const std::string backend = group->getBackend(device.type())->getBackendName();
+  if (transport == Transport::kAuto) return backend == "gloo";
+  TORCH_CHECK_VALUE(backend != "nccl", kTransportVariable,
+                    "=p2p cannot run on NCCL: the fused ops post each send and receive on its own, and NCCL "
+                    "deadlocks on those outside a group call (use \"auto\" or \"collective\")");
+  return true;
+}
+
+namespace {
+
+// A transfer that could not start: its wait raises the error that stopped it. gloo refuses a send or a receive
+// on a connection its peer has closed when it is posted, not when it is waited for; as a work that fails, it
+// is reported as a transfer that failed in flight (InFlight::wait), with its piece and peer.
+class FailedToStart : public c10d::Work {
+ public:
+  FailedToStart(c10d::OpType type, std::exception_ptr error) : c10d::Work(-1, type) { finish(std::move(error)); }
+};
+
+template <typename Start>
+Work started(c10d::OpType type, const Start& start) {
+  try {
+    return start();
+  } catch (const std::exception&) {
+    return c10::make_intrusive<FailedToStart>(type, std::current_exception());
+  }
+}
+
+void start_send(const Group& group, std::vector<Transfer>& transfers, const at::Tensor& tensor, int64_t peer, int tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  Work work = started(c10d::OpType::SEND, [&] { return group->send(tensors, static_cast<int>(peer), tag); });
+  transfers.emplace_back(std::move(work), Transfer::Kind::kSend, peer);
+}
+
+void start_recv(const Group& group, std::vector<Transfer>& transfers, const at::Tensor& tensor, int64_t peer, int tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  Work work = started(c10d::OpType::RECV, [&] { return group->recv(tensors, static_cast<int>(peer), tag); });
+  transfers.emplace_back(std::move(work), Transfer::Kind::kReceive, peer);
+}
+
+}  // namespace
+
+std::vector<Transfer> start_piece_exchange(const Group& group, const at::Tensor& mine,
+                                           const std::vector<at::Tensor>& parts, int tag) {
   const int64_t world = group->getSize(), rank = group->getRank();
-  std::vector<Work> works;
+  std::vector<Transfer> transfers;
   // Peers in ring order from this rank, so that no rank is every rank's first destination.
   for (int64_t step = 1; step < world; ++step) {
     const int64_t to = (rank + step) % world, from = (rank - step + world) % world;
-    start_send(group, works, mine, to, tag);
-    start_recv(group, works, parts[from], from, tag);
+    start_send(group, transfers, mine, to, tag);
+    start_recv(group, transfers, parts[from], from, tag);
   }
-  return works;
+  return transfers;
 }
 
-void start_piece_receives(const Group& group, const at::Tensor& received, int tag, std::vector<Work>& works) {
+void start_piece_receives(const Group& group, const at::Tensor& received, int tag, std::vector<Transfer>& transfers) {
   const int64_t world = group->getSize(), rank = group->getRank();
   for (int64_t step = 1; step < world; ++step) {
     const int64_t from = (rank - step + world) % world;
-    start_recv(group, works, received[from], from, tag);
+    start_recv(group, transfers, received[from], from, tag);
   }
 }
 
-void start_piece_send(const Group& group, const at::Tensor& partial, int64_t to, int tag, std::vector<Work>& works) {
-  start_send(group, works, partial, to, tag);
+void start_piece_send(const Group& group, const at::Tensor& partial, int64_t to, int tag,
+                      std::vector<Transfer>& transfers) {
+  start_send(group, transfers, partial, to, tag);
+}
+
+namespace {
+
+const char* collective_name(c10d::OpType type) {
+  switch (type) {
+    case c10d::OpType::ALLGATHER:
+    case c10d::OpType::_ALLGATHER_BASE:
+    case c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED:
+      return "all-gather";
+    case c10d::OpType::REDUCE_SCATTER:
+    case c10d::OpType::_REDUCE_SCATTER_BASE:
+    case c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED:
+      return "reduce-scatter";
+    case c10d::OpType::ALLREDUCE:
+      return "all-reduce";
+    default:
+      return "collective";
+  }
+}
+
+}  // namespace
+
+// The backend's error stays the cause, in the text: a c10::Error's own message (without its C++ backtrace),
+// or the what() of any other exception (gloo's IoException). A DistNetworkError stays one; anything else
+// becomes a DistBackendError, as torch's own failed collectives are.
+void InFlight::fail(size_t i, const Transfer& transfer, const std::exception& error) const {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+  const std::string cause = c10_error ? c10_error->what_without_backtrace() : error.what();
+  std::ostringstream message;
+  message << op_ << ": the transfer of ";
+  if (std::string(what_) == "piece") {
+    message << "piece " << i + 1 << " of " << pieces_.size();
+  } else {
+    message << what_;
+  }
+  message << " failed on rank " << group_->getRank() << " of group \"" << group_->getGroupName() << "\" ("
+          << group_->getSize() << " ranks): ";
+  switch (transfer.kind) {
+    case Transfer::Kind::kSend:
+      message << "the send to rank " << transfer.peer;
+      break;
+    case Transfer::Kind::kReceive:
+      message << "the receive from rank " << transfer.peer;
+      break;
+    case Transfer::Kind::kCollective:
+      message << "its " << collective_name(transfer.work->retrieveOpType()) << ", a collective of the group's "
+              << group_->getSize() << " ranks,";
+      break;
+  }
+  message << " did not complete (a rank that exits or stalls fails its peers' transfers: fastmesh's docs/faults.md)."
+          << "\nCaused by the backend's error: " << cause;
+  if (dynamic_cast<const c10::DistNetworkError*>(&error)) C10_THROW_ERROR(DistNetworkError, message.str());
+  C10_THROW_ERROR(DistBackendError, message.str());
 }
 
 namespace {
@@ -160,7 +262,9 @@ void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor,
   at::Tensor all = at::empty({world * kShapeSlots}, send.options());
   {
     RECORD_USER_SCOPE("fastmesh::check_shapes");
-    start_all_gather(group, all, send)->wait();
+    InFlight check(group, op, "the cross-rank shape check (before the pieces)");
+    check.add({start_all_gather(group, all, send)});
+    check.wait(0);
   }
   const at::Tensor gathered = all.cpu();
   const int64_t* theirs = gathered.const_data_ptr<int64_t>();

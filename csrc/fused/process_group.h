@@ -7,6 +7,7 @@
 #include <c10/util/string_view.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <utility>
 #include <vector>
 
 namespace fastmesh {
@@ -27,58 +28,97 @@ Work start_reduce_scatter_sum(const Group& group, at::Tensor& output, at::Tensor
 // Asynchronous sum all-reduce of `tensor` (contiguous) in place.
 Work start_all_reduce_sum(const Group& group, at::Tensor& tensor);
 
-// How the pieces of a fused op travel for tensors on `device`: point-to-point where the group's backend for
-// that device is gloo (its send/recv is faster than its collectives, and takes less of the CPU the multiplies
-// need: docs/design/fused-collectives.md), collectives elsewhere (NCCL's are bandwidth-optimal).
+// How the pieces of a fused op travel for tensors on `device`: true for point-to-point (send/recv), false for
+// the backend's collectives (one all-gather or reduce-scatter per piece). FASTMESH_TRANSPORT, read on every
+// call (an internal option, for tests), decides:
+// - "auto" (or unset): point-to-point where the group's backend for that device is gloo (its send/recv is
+//   faster than its collectives, and takes less of the CPU the multiplies need:
+//   docs/design/fused-collectives.md), collectives elsewhere (NCCL's are bandwidth-optimal);
+// - "collective": collectives on every backend, gloo included (the path NCCL takes, testable on CPU);
+// - "p2p": point-to-point on every backend but NCCL, where it is an error: the pipelines post each send and
+//   receive on its own, and NCCL deadlocks on unmatched ones outside a group call.
+// Any other value is an error naming the variable. Every rank must see the same value.
 bool point_to_point(const Group& group, const at::Device& device);
+
+// One transfer of a piece, with whom it waits on for the error of a failed wait: a send to or a receive from
+// `peer` (a rank of the group), or a collective of the whole group (a Work converts to one).
+struct Transfer {
+  enum class Kind { kCollective, kSend, kReceive };
+  Transfer(Work work) : work(std::move(work)) {}  // NOLINT(google-explicit-constructor): a collective
+  Transfer(Work work, Kind kind, int64_t peer) : work(std::move(work)), kind(kind), peer(peer) {}
+  Work work;
+  Kind kind = Kind::kCollective;
+  int64_t peer = -1;
+};
 
 // Starts the point-to-point exchange of one all-gather piece: `mine` goes to every other rank and
 // parts[j] (contiguous, mine's shape) receives rank j's piece, for every j != rank. `tag` tells a call's
 // pieces apart.
-std::vector<Work> start_piece_exchange(const Group& group, const at::Tensor& mine, const std::vector<at::Tensor>& parts,
-                                       int tag);
+std::vector<Transfer> start_piece_exchange(const Group& group, const at::Tensor& mine,
+                                           const std::vector<at::Tensor>& parts, int tag);
 
 // Point-to-point transfers of one reduce-scatter piece (`tag` tells a call's pieces apart): the others'
 // partials of this rank's block are received into received[j] ([world, rows, N]; every j != rank), and
 // this rank's partial for rank j, once computed, is sent to j. The caller sums what it received.
-void start_piece_receives(const Group& group, const at::Tensor& received, int tag, std::vector<Work>& works);
-void start_piece_send(const Group& group, const at::Tensor& partial, int64_t to, int tag, std::vector<Work>& works);
+void start_piece_receives(const Group& group, const at::Tensor& received, int tag, std::vector<Transfer>& transfers);
+void start_piece_send(const Group& group, const at::Tensor& partial, int64_t to, int tag,
+                      std::vector<Transfer>& transfers);
 
-// Transfers started by a pipeline, one group of works per piece. Whatever is still pending when it goes
-// out of scope is waited for: an error part-way through a pipeline (an exception from a multiply) must not
-// leave transfers in flight on the group, or the group's next operation would take their messages. Errors
-// of those late waits are dropped: the exception already unwinding is the one to report.
+// Transfers started by a pipeline, one group of transfers per piece.
+//
+// A wait that fails (on gloo: at once for a peer that exited, at the group's timeout for one that stalled; on
+// NCCL a wait does not block the host, and only TORCH_NCCL_BLOCKING_WAIT=1 makes it fail instead of the
+// watchdog), or the wait of a transfer that could not start, raises a DistBackendError (RuntimeError in
+// Python) naming the op, the group, this rank, the piece and the peer it waited on (or the collective), with
+// the backend's error as its cause, in the text (docs/faults.md).
+//
+// Whatever is still pending when it goes out of scope is waited for, the rest of a failed piece included: an
+// error part-way through a pipeline (an exception from a multiply, a failed wait) must not leave transfers in
+// flight on the group, or the group's next operation would take their messages. Errors of those late waits
+// are dropped: the exception already unwinding is the one to report.
 class InFlight {
  public:
-  InFlight() = default;
+  // `op` names the op in errors, `what` what each group of transfers carries: "piece" is counted ("piece 2 of
+  // 4"), anything else names a lone transfer ("a_scale (gathered before the pieces)").
+  InFlight(Group group, const char* op, const char* what = "piece") : group_(std::move(group)), op_(op), what_(what) {}
   InFlight(const InFlight&) = delete;
   InFlight& operator=(const InFlight&) = delete;
   ~InFlight() {
-    for (size_t i = 0; i < works_.size(); ++i) {
-      if (waited_[i]) continue;
-      for (const Work& work : works_[i]) {
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      for (size_t t = waited_[i]; t < pieces_[i].size(); ++t) {
         try {
-          work->wait();
+          pieces_[i][t].work->wait();
         } catch (...) {
         }
       }
     }
   }
-  void add(std::vector<Work> works) {
-    works_.push_back(std::move(works));
-    waited_.push_back(false);
+  void add(std::vector<Transfer> transfers) {
+    pieces_.push_back(std::move(transfers));
+    waited_.push_back(0);
   }
   // Named in profiles: the time a pipeline is blocked on communication (exposed, not overlapped).
   void wait(size_t i) {
     RECORD_USER_SCOPE("fastmesh::wait_transfer");
-    waited_[i] = true;
-    for (const Work& work : works_[i]) work->wait();
+    while (waited_[i] < pieces_[i].size()) {
+      const Transfer& transfer = pieces_[i][waited_[i]++];  // counted first: a failed one is not waited again
+      try {
+        transfer.work->wait();
+      } catch (const std::exception& error) {
+        fail(i, transfer, error);
+      }
+    }
   }
-  size_t size() const { return works_.size(); }
+  size_t size() const { return pieces_.size(); }
 
  private:
-  std::vector<std::vector<Work>> works_;
-  std::vector<bool> waited_;
+  [[noreturn]] void fail(size_t i, const Transfer& transfer, const std::exception& error) const;
+
+  Group group_;
+  const char* op_;
+  const char* what_;
+  std::vector<std::vector<Transfer>> pieces_;
+  std::vector<size_t> waited_;  // per piece, how many of its transfers have been waited for
 };
 
 // Errors on every rank, naming the op, the argument and each rank's shape, unless `tensor` has the same

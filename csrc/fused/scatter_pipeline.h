@@ -19,10 +19,11 @@ namespace fused {
 // multiply_part(send_j, j, piece, layout) fills send_j, the [rows, n_cols] part of the product bound for
 // rank j, for every rank j; then that piece's transfer starts while the next piece is multiplied. Over a
 // collective backend the transfer is a reduce-scatter; point-to-point (gloo), each rank receives the
-// others' partials of its block and sums them itself, in rank order, piece by piece as they arrive.
+// others' partials of its block and sums them itself, in rank order, piece by piece as they arrive. `op` names
+// the op in errors.
 template <typename MultiplyPart>
-void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::RowLayout& layout, int64_t n_cols,
-                    int64_t requested_pieces, const MultiplyPart& multiply_part) {
+void scatter_pieces(const Group& group, const char* op, const at::Tensor& out, const pipeline::RowLayout& layout,
+                    int64_t n_cols, int64_t requested_pieces, const MultiplyPart& multiply_part) {
   const int64_t world = group->getSize(), rank = group->getRank();
   const bool p2p = point_to_point(group, out.device());
   const at::Tensor out_rows = rows_view(out);
@@ -30,7 +31,7 @@ void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::R
       layout.units,
       pipeline::choose_pieces(layout.units, layout.unit_rows * n_cols * out.element_size(), requested_pieces));
   std::vector<at::Tensor> sends, receives;  // alive until their transfers end (declared before `works`)
-  InFlight works;
+  InFlight works(group, op);
   for (size_t i = 0; i < pieces.size(); ++i) {
     const pipeline::Piece& piece = pieces[i];
     const int64_t rows = piece.units() * layout.unit_rows;
@@ -44,7 +45,7 @@ void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::R
       // Receives first, then each peer's partial is sent as soon as it is computed (ring order, so
       // that ranks do not all start on the same destination); this rank's own partial last.
       receives.push_back(at::empty({world, rows, n_cols}, out.options()));
-      std::vector<Work> piece_works;
+      std::vector<Transfer> piece_works;
       start_piece_receives(group, receives.back(), static_cast<int>(i), piece_works);
       for (int64_t step = 1; step < world; ++step) {
         const int64_t to = (rank + step) % world;
@@ -83,18 +84,18 @@ void scatter_pieces(const Group& group, const at::Tensor& out, const pipeline::R
 // starts while the next piece is multiplied. One piece is the unfused sequence: one multiply, then the
 // whole transfer. Transports as in scatter_pieces.
 template <typename MultiplyColumns>
-void scatter_column_pieces(const Group& group, const at::Tensor& out_rows, int64_t pieces,
+void scatter_column_pieces(const Group& group, const char* op, const at::Tensor& out_rows, int64_t pieces,
                            const MultiplyColumns& multiply_columns) {
   const int64_t world = group->getSize(), rank = group->getRank();
   const bool p2p = point_to_point(group, out_rows.device());
   const int64_t rows = out_rows.size(0);
   const auto column_pieces = pipeline::split_units(out_rows.size(1), pieces);
   std::vector<at::Tensor> sends, receives;  // alive until their transfers end (declared before `works`)
-  InFlight works;
+  InFlight works(group, op);
   for (size_t i = 0; i < column_pieces.size(); ++i) {
     const int64_t c0 = column_pieces[i].unit_begin, cw = column_pieces[i].units();
     at::Tensor send = at::empty({world, rows, cw}, out_rows.options());
-    std::vector<Work> piece_works;
+    std::vector<Transfer> piece_works;
     if (p2p && world > 1) {
       receives.push_back(at::empty({world, rows, cw}, out_rows.options()));
       start_piece_receives(group, receives.back(), static_cast<int>(i), piece_works);
@@ -167,12 +168,12 @@ at::Tensor reduce_scatter_product(const Group& group, at::IntArrayRef a_sizes, i
         split == pipeline::Split::kNone
             ? 1
             : pipeline::choose_pieces(out_rows.size(1), out_rows.size(0) * out.element_size(), pieces);
-    scatter_column_pieces(group, out_rows, column_pieces, multiply_columns);
+    scatter_column_pieces(group, op, out_rows, column_pieces, multiply_columns);
   } else if (dim == last) {
     const int64_t rows = out.numel() / out.size(-1);
-    scatter_pieces(group, out, pipeline::row_layout(std::vector<int64_t>{rows, 1}, 1), n / world, pieces, multiply);
+    scatter_pieces(group, op, out, pipeline::row_layout(std::vector<int64_t>{rows, 1}, 1), n / world, pieces, multiply);
   } else {
-    scatter_pieces(group, out, pipeline::row_layout(out.sizes(), dim), n, pieces, multiply);
+    scatter_pieces(group, op, out, pipeline::row_layout(out.sizes(), dim), n, pieces, multiply);
   }
   if (reduce_op == "avg") out.div_(world);  // gloo has no AVG; one spelling for every backend
   return out;
