@@ -145,15 +145,14 @@ void start_piece_send(const Group& group, const at::Tensor& partial, int64_t to,
 
 namespace {
 
+// Only op types every supported torch (2.11-2.14) has: the *_COALESCED ones are newer.
 const char* collective_name(c10d::OpType type) {
   switch (type) {
     case c10d::OpType::ALLGATHER:
     case c10d::OpType::_ALLGATHER_BASE:
-    case c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED:
       return "all-gather";
     case c10d::OpType::REDUCE_SCATTER:
     case c10d::OpType::_REDUCE_SCATTER_BASE:
-    case c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED:
       return "reduce-scatter";
     case c10d::OpType::ALLREDUCE:
       return "all-reduce";
