@@ -90,3 +90,66 @@ def test_update_needs_tensorwise_amax():
 
 def test_front_is_exported():
     assert fastmesh.fp8.quantize is fastmesh.ops.quantize
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_stale_scale_saturates_and_counts_overflows(dtype):
+    """A scale from small values meets a much larger tensor: the cast saturates at +-fp8_max (e5m2 too, no inf)
+    and the step is counted; steps in range are not, nor one whose largest value rounds to fp8_max anyway."""
+    fp8_max = ref.FP8_MAX[dtype]
+    recipe = DelayedScaling(history_len=4, dtype=dtype)
+    assert recipe.overflows.dtype == torch.int64 and recipe.overflows.shape == ()
+    counts = []
+    for amax in (1.0, 0.5, 1000.0, 500.0, 1e6, 1e6, 1.03e6):
+        x = torch.tensor([[amax, -amax, amax / 3, 0.0]])
+        scale = recipe.scale()
+        q = recipe.quantize(x)
+        assert torch.equal(
+            q.data.view(torch.uint8), ref.quantize(x, dtype, "tensorwise", scale=scale).data.view(torch.uint8)
+        )
+        if amax / scale.item() > fp8_max:
+            assert q.data.float()[0, :2].tolist() == [fp8_max, -fp8_max]
+        counts.append(recipe.overflows.item())
+    # 1 fits the first scale (1: an empty history), 0.5 the next; 1000 and the first 1e6 overflow. 1e6 again
+    # is at fp8_max up to rounding, 1.03e6 beyond it by less than half an FP8 step: both cast to fp8_max anyway.
+    assert counts == [0, 0, 1, 1, 2, 2, 2]
+
+
+def test_non_finite_amax_enters_the_history():
+    """An infinity saturates (counted); the history then holds inf, so the next steps' scale is inf and they
+    dequantize to NaN (not counted: nothing saturates) until it leaves the window. A NaN stays NaN and is
+    counted (it may hide infinities, which saturate); the next scale is NaN."""
+    inf, nan = float("inf"), float("nan")
+    ordinary = torch.tensor([[1.0, -2.0]])
+    for amax_compute, poisoned_steps in (("max", 2), ("most_recent", 1)):
+        recipe = DelayedScaling(history_len=2, amax_compute=amax_compute)
+        recipe.quantize(ordinary)
+        q = recipe.quantize(torch.tensor([[inf, 1.0]]))
+        assert q.data.float()[0, 0].item() == 448.0 and recipe.overflows.item() == 1
+        for _ in range(poisoned_steps):
+            q = recipe.quantize(ordinary)
+            assert bool((q.data.float() * q.scale).isnan().all()) and recipe.overflows.item() == 1
+        q = recipe.quantize(ordinary)
+        assert bool(q.scale.isfinite()) and bool((q.data.float() * q.scale).isfinite().all())
+        q = recipe.quantize(torch.tensor([[nan, 1.0, inf]]))
+        assert q.data.float()[0, 0].isnan() and q.data.float()[0, 2].item() == 448.0 and recipe.overflows.item() == 2
+        assert recipe.scale().isnan()
+        q = recipe.quantize(ordinary)
+        assert bool((q.data.float() * q.scale).isnan().all()) and recipe.overflows.item() == 2
+
+
+def test_tiny_and_huge_histories_give_finite_scales():
+    """A subnormal amax gives a scale of at least 2^-126 (its reciprocal, the op's multiplier, finite: below
+    2^-128 it would be inf and zeros would become NaN); a huge amax with a margin a finite scale (the margin
+    multiplies after the division)."""
+    recipe = DelayedScaling(history_len=2)
+    recipe.update(torch.tensor(1e-40))
+    assert recipe.scale().item() == torch.finfo(torch.float32).tiny
+    q = recipe.quantize(torch.tensor([[0.0, 1e-40, -3e-41]]))
+    assert bool(q.data.float().isfinite().all()) and q.data.float()[0, 0].item() == 0.0
+    recipe = DelayedScaling(history_len=2, margin=2)
+    recipe.update(torch.tensor(3e38))
+    assert recipe.scale().item() == pytest.approx(4 * 3e38 / 448)
+    x = torch.tensor([[3e38, -1e38, 1.0]])
+    q = recipe.quantize(x)
+    assert bool((q.data.float().double() * q.scale.double()).isfinite().all()) and recipe.overflows.item() == 0
