@@ -1,23 +1,31 @@
-"""Train a small Llama-style model with sequence-parallel tensor parallelism (TP) on CPU, under torch's native
+r"""Train a small Llama-style model with sequence-parallel tensor parallelism (TP) on CPU, under torch's native
 TP plan and/or fastmesh's fused one, and report the loss, the throughput and the exposed communication.
 
     torchrun --nproc-per-node 2 examples/train_llama_tp.py --plan both
+    # dp=2 x tp=2 on 2 machines, dp across them, tp within each; on every machine:
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 --rdzv-id JOB \
+        examples/train_llama_tp.py --tp 2
 
-Options: ``--plan native|fastmesh|both`` (default both: one after the other in the same processes, from the same
-initial weights on the same batches, then a comparison table), ``--steps N`` (default 200), ``--fp8
-rowwise|tensorwise`` (fastmesh's plan in FP8), ``--compile`` (both plans under ``torch.compile``) with
-``--fusion-pass`` (the native plan compiled with fastmesh's fusion pass, ``fastmesh.compile``), model and batch
-sizes (``--help``). Two ranks, one intra-op
-thread each (``--threads``), gloo; ``--plan both`` with the defaults took 86 s on the 2-core dev machine.
+Options: ``--tp N`` (default 2; the rest of the world is the dp axis), ``--plan native|fastmesh|both`` (default
+both: one after the other in the same processes, from the same initial weights on the same batches, then a
+comparison table), ``--steps N`` (default 200), ``--fp8 rowwise|tensorwise`` (fastmesh's plan in FP8),
+``--compile`` (both plans under ``torch.compile``; TP-only meshes) with ``--fusion-pass`` (the native plan
+compiled with fastmesh's fusion pass, ``fastmesh.compile``), model and batch sizes (``--help``; ``--batch`` is a
+whole step's). One intra-op thread per rank (``--threads``), gloo; ``--plan both`` with the defaults on two ranks
+took 100 s on the 2-core dev machine, shared with other work (``time torchrun`` of the first command).
 
 The data is learnable and synthetic: sequences from a fixed random Markov chain over the vocabulary, in which
 each token has a few possible successors. The lowest loss a model can reach is the chain's entropy rate,
 printed at the start; a freshly initialized model starts near log(vocab).
 
-The model is ``fastmesh.testing.llama.Llama`` parallelized by ``parallelize_llama`` on ``init_mesh(tp=2)``:
-activations between blocks are sharded along the sequence, and each block's linears gather their input and
-reduce-scatter their output, as separate collectives (native) or fused into the matmuls (fastmesh). The logits
-leave vocab-sharded, and the loss is computed on the shards under ``loss_parallel``.
+The model is ``fastmesh.testing.llama.Llama`` parallelized by ``parallelize_llama`` over ``mesh["tp"]`` of
+``init_mesh(dp=-1, tp=N)``: activations between blocks are sharded along the sequence, and each block's linears
+gather their input and reduce-scatter their output, as separate collectives (native) or fused into the matmuls
+(fastmesh). The logits leave vocab-sharded, and the loss is computed on the shards under ``loss_parallel``. With
+dp > 1, FSDP2 (``fully_shard`` over ``mesh["dp"]``) wraps each block, then the root; each dp group trains on its
+rows of every batch, and the printed loss is the whole batch's, as in a TP-only run of the same arguments. Rank 0
+then prints the mesh: each rank's (dp, tp), node (torchrun's ``GROUP_RANK``), host, agent, and the token sum of
+its rows.
 
 Exposed communication is the time a rank's main thread is blocked on communication (in a collective or
 point-to-point call, or waiting for one), measured by profiling a few steps after warm-up
@@ -28,11 +36,14 @@ computes is hidden, not exposed.
 
 import argparse
 import math
+import os
+import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 import fastmesh
@@ -79,6 +90,14 @@ def sample_sequences(transitions, start, count: int, length: int, generator: tor
     return torch.stack(tokens, dim=1)
 
 
+def dp_slice(batches: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's dp group's rows of ``batches [steps, B, S + 1]``: ``[steps, B / dp, S + 1]``. The TP ranks of a
+    dp group share their tokens."""
+    rows = batches.shape[1] // mesh["dp"].size()
+    first = mesh["dp"].get_local_rank() * rows
+    return batches[:, first : first + rows]
+
+
 # ---- training ----
 
 
@@ -94,17 +113,43 @@ def train_step(model, optimizer, tokens):
     return loss.detach()
 
 
-def train(plan: str, args, mesh, batches) -> dict:
-    """Trains one model under ``plan`` on ``batches`` ``[steps, B, S + 1]``; returns its logged losses and
-    measurements (every rank's)."""
-    torch.manual_seed(args.seed)  # the same initial weights under either plan (sharded from rank 0's)
+def build_model(plan: str, args, mesh) -> torch.nn.Module:
+    """The model under ``plan`` over ``mesh["tp"]`` (in FP8 with ``--fp8``, compiled with ``--compile``), and with
+    dp > 1 FSDP2 over ``mesh["dp"]``: each block, then the root (torchtitan's order, as in
+    tests/test_parallel_2d.py). FSDP2 gathers a module's parameters in that module's pre-forward, so each of its
+    groups must hold all the linears that share a fused gather: a block does."""
     fp8 = Float8Config(granularity=args.fp8) if args.fp8 and plan == "fastmesh" else None
-    model = parallelize_llama(Llama(model_args(args)), mesh, plan, fp8=fp8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    model = parallelize_llama(Llama(model_args(args)), mesh["tp"], plan, fp8=fp8)
+    if mesh["dp"].size() > 1:
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"])
     if args.compile:
         fusion = args.fusion_pass and plan == "native"
         options = {"post_grad_custom_post_pass": fastmesh.compile.FusionPass(strict=False)} if fusion else None
         model = torch.compile(model, options=options)
+    return model
+
+
+def global_loss(loss, mesh) -> float:
+    """The whole batch's loss from this dp group's ``loss`` (a DTensor replicated over TP)."""
+    local = loss.full_tensor()  # replicated: no communication
+    dp = mesh["dp"].size()
+    if dp == 1:
+        return local.item()
+    # Every dp group's loss is the mean over an equal share of the batch, so their mean is the whole batch's.
+    # A sum: gloo has no AVG.
+    total = local.clone()
+    dist.all_reduce(total, group=mesh.get_group("dp"))
+    return total.item() / dp
+
+
+def train(plan: str, args, mesh, batches) -> dict:
+    """Trains one model under ``plan`` on ``batches`` ``[steps, B / dp, S + 1]`` (this dp group's); returns its
+    logged losses (the whole batch's) and measurements (every rank's)."""
+    torch.manual_seed(args.seed)  # the same initial weights under either plan and on every rank
+    model = build_model(plan, args, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     leader = dist.get_rank() == 0
     losses = {}
 
@@ -113,7 +158,7 @@ def train(plan: str, args, mesh, batches) -> dict:
             with torch.profiler.record_function(STEP_EVENT):  # marks the step in the profiled ones' trace
                 loss = train_step(model, optimizer, batches[step - 1])
             if step == 1 or step % args.log_every == 0 or step == args.steps:
-                losses[step] = loss.full_tensor().item()  # a replicated DTensor: no communication
+                losses[step] = global_loss(loss, mesh)
                 if leader:
                     print(f"[{plan}] step {step:4d}  loss {losses[step]:.4f}", flush=True)
 
@@ -175,22 +220,32 @@ def _per_rank(result: dict, fn) -> str:
 
 
 def compare(results: dict) -> None:
+    rows = {
+        plan: (
+            _per_rank(r, lambda rank: f"{1e3 * rank['exposed_s']:.1f}"),
+            _per_rank(r, lambda rank: f"{100 * rank['exposed_s'] / rank['step_s']:.0f}"),
+        )
+        for plan, r in results.items()
+    }
+    # Wide enough for every rank's figures (the widths of two ranks' by default).
+    exposed_w = max(21, *(len(exposed) for exposed, _ in rows.values()))
+    share_w = max(10, *(len(share) for _, share in rows.values()))
     print(
-        f"\n{'plan':10s} {'final loss':>10s} {'tokens/s':>9s} {'ms/step':>8s} {'exposed comm ms/step':>21s} "
-        f"{'% of step':>10s}"
+        f"\n{'plan':10s} {'final loss':>10s} {'tokens/s':>9s} {'ms/step':>8s} {'exposed comm ms/step':>{exposed_w}s} "
+        f"{'% of step':>{share_w}s}"
     )
     for plan, r in results.items():
-        exposed = _per_rank(r, lambda rank: f"{1e3 * rank['exposed_s']:.1f}")
-        share = _per_rank(r, lambda rank: f"{100 * rank['exposed_s'] / rank['step_s']:.0f}")
+        exposed, share = rows[plan]
         print(
             f"{plan:10s} {r['losses'][max(r['losses'])]:10.4f} {r['tokens_per_s']:9.0f} {1e3 * r['step_s']:8.1f} "
-            f"{exposed:>21s} {share:>10s}"
+            f"{exposed:>{exposed_w}s} {share:>{share_w}s}"
         )
     native, fused = results["native"], results["fastmesh"]
     gap = max(abs(native["losses"][s] - fused["losses"][s]) for s in native["losses"])
     exposed_ratio = sum(r["exposed_s"] for r in fused["ranks"]) / sum(r["exposed_s"] for r in native["ranks"])
+    ranks = " / ".join(f"rank {rank}" for rank in range(len(fused["ranks"])))
     print(
-        "(exposed comm and its share of the profiled step: rank 0 / rank 1)\n"
+        f"(exposed comm and its share of the profiled step: {ranks})\n"
         f"fastmesh / native: {fused['tokens_per_s'] / native['tokens_per_s']:.2f}x tokens/s, {exposed_ratio:.2f}x "
         f"exposed comm; largest loss difference at the logged steps {gap:.2e}"
     )
@@ -198,6 +253,7 @@ def compare(results: dict) -> None:
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2, help="TP ranks per dp group; dp is the rest of the world")
     parser.add_argument("--plan", choices=(*PLANS, "both"), default="both")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument(
@@ -210,7 +266,7 @@ def parse_args():
     parser.add_argument(
         "--fusion-pass", action="store_true", help="with --compile: compile the native plan with fastmesh's fusion pass"
     )
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step, split among the dp groups")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
@@ -230,6 +286,16 @@ def parse_args():
         parser.error("--fp8 applies to fastmesh's plan; use --plan fastmesh or both")
     if args.fusion_pass and not args.compile:
         parser.error("--fusion-pass is a compiler pass: add --compile")
+    # torchrun's world size, before init_mesh starts the process group, so that every rank fails alike here.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp < 1 or world % args.tp:
+        parser.error(f"--tp {args.tp} must divide the world's {world} ranks")
+    if args.compile and world > args.tp:
+        # torch 2.14.1, gloo: compiling the FSDP2-wrapped model fails ("Mixing fake modes NYI"), and compiling each
+        # block before fully_shard runs but gets the embedding's gradient wrong from the first step.
+        parser.error("--compile runs on a TP-only mesh (--tp equal to the world size), not with FSDP2 over dp")
+    if args.batch % (world // args.tp):
+        parser.error(f"--batch {args.batch} must divide among the {world // args.tp} dp groups")
     if args.steps <= args.warmup + args.profile_steps:
         parser.error(
             f"--steps must exceed --warmup + --profile-steps ({args.warmup + args.profile_steps}), "
@@ -238,13 +304,45 @@ def parse_args():
     return args
 
 
+def describe_ranks(mesh, batches: torch.Tensor) -> list[dict]:
+    """Every rank's place in the mesh and the machines, and a checksum of the tokens it trains on (its dp group's
+    ``batches``): what shows that the tp groups stay inside a node and that the dp groups split the batch."""
+    mine = {
+        "dp": mesh["dp"].get_local_rank(),
+        "tp": mesh["tp"].get_local_rank(),
+        "node": int(os.environ.get("GROUP_RANK", "0")),  # torchrun's rank of this rank's agent
+        "host": socket.gethostname(),
+        "agent_pid": os.getppid(),  # torchrun starts each rank as a child of its node's agent
+        "token_sum": int(batches.sum()),
+    }
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return ranks
+
+
+def print_layout(mesh, ranks: list[dict], batches: torch.Tensor) -> None:
+    tp_groups = " ".join(str(group) for group in mesh.mesh.tolist())
+    dp_groups = " ".join(str(group) for group in mesh.mesh.t().tolist())
+    print(
+        f"mesh dp={mesh['dp'].size()} x tp={mesh['tp'].size()}: tp groups {tp_groups}, dp groups {dp_groups}; "
+        f"{batches.shape[1] // mesh['dp'].size()} of the {batches.shape[1]} sequences per step to each dp group"
+    )
+    for rank, r in enumerate(ranks):
+        print(
+            f"  rank {rank}: dp {r['dp']} tp {r['tp']}, node {r['node']} (host {r['host']}, agent pid "
+            f"{r['agent_pid']}); token sum of its batches {r['token_sum']}"
+        )
+    print(f"  token sum of all batches {int(batches.sum())}", flush=True)
+
+
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
-    mesh = fastmesh.init_mesh(tp=2)
+    mesh = fastmesh.init_mesh(dp=-1, tp=args.tp)
+    dp = mesh["dp"].size()
     transitions = markov_chain(args.vocab, args.branching, torch.Generator().manual_seed(args.seed))
-    # Every batch up front, from one seed: the same data on every rank (TP ranks share their tokens) and under
-    # either plan, and no sampling inside the timed steps.
+    # Every batch up front, from one seed: the same data on every rank, each dp group then taking its rows, under
+    # either plan; and no sampling inside the timed steps. The whole batch does not depend on dp.
     sequences = sample_sequences(
         transitions,
         stationary(transitions).float(),
@@ -253,18 +351,24 @@ def main():
         torch.Generator().manual_seed(args.seed + 1),
     )
     batches = sequences.view(args.steps, args.batch, args.seq_len + 1)
+    group_batches = dp_slice(batches, mesh)
+    ranks = describe_ranks(mesh, group_batches) if dp > 1 else None
     if dist.get_rank() == 0:
         compiled = "native plan with fastmesh's fusion pass" if args.fusion_pass else "yes" if args.compile else "no"
+        layout = f"DP={dp} x TP={args.tp} (FSDP2 over dp)" if dp > 1 else f"TP={args.tp}"
         print(
-            f"TP=2 over {dist.get_backend()}, {args.threads} intra-op thread(s) per rank; model {model_args(args)}; "
-            f"batch {args.batch} x {args.seq_len} tokens; fp8: {args.fp8 or 'off'}; compiled: {compiled}\n"
+            f"{layout} over {dist.get_backend()}, {args.threads} intra-op thread(s) per rank; model "
+            f"{model_args(args)}; batch {args.batch} x {args.seq_len} tokens; fp8: {args.fp8 or 'off'}; "
+            f"compiled: {compiled}\n"
             f"data: Markov chain, {args.branching} successors per token; entropy rate (lowest possible loss) "
             f"{entropy_rate(transitions):.4f}, log(vocab) {math.log(args.vocab):.4f}",
             flush=True,
         )
+        if ranks is not None:
+            print_layout(mesh, ranks, batches)
     results = {}
     for plan in PLANS if args.plan == "both" else (args.plan,):
-        results[plan] = train(plan, args, mesh, batches)
+        results[plan] = train(plan, args, mesh, group_batches)
         if dist.get_rank() == 0:
             report(plan, results[plan], args)
     if dist.get_rank() == 0 and len(results) == 2:
