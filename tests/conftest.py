@@ -10,6 +10,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 
 import rank_pool
+from hypothesis import settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 _inductor_cache_dir = None
 
@@ -23,6 +25,14 @@ def pytest_configure(config):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir
     # Plans measured on an earlier run (or by the user) must not steer the tests: an empty cache of their own.
     os.environ["FASTMESH_TUNE_CACHE"] = os.path.join(_inductor_cache_dir, "fastmesh-plans.json")
+    # Hypothesis stores nothing in the checkout or the working directory (CI's CPU-only phase runs from /): its
+    # example database and whatever else it keeps go under this run's temporary directory.
+    hypothesis_dir = os.path.join(_inductor_cache_dir, "hypothesis")
+    os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = hypothesis_dir
+    settings.register_profile(
+        "fastmesh", database=DirectoryBasedExampleDatabase(os.path.join(hypothesis_dir, "examples"))
+    )
+    settings.load_profile("fastmesh")
 
 
 def pytest_unconfigure(config):

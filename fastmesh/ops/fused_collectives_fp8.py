@@ -276,8 +276,9 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
         )
         ctx.dtype = a.dtype
         # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which
-        # the FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype.
-        ctx.dgrad_in_fp8 = config.backward_in_fp8 and scatter_dim % a.dim() != a.dim() - 1
+        # the FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype. So
+        # does one with no columns (b [K, 0]): the FP8 gather takes no empty last dim, and there is nothing to shrink.
+        ctx.dgrad_in_fp8 = config.backward_in_fp8 and scatter_dim % a.dim() != a.dim() - 1 and b.shape[1] > 0
         ctx.save_for_backward(a, b)
         return out
 
