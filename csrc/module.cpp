@@ -120,13 +120,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       arg("a_scale"), arg("b"), arg("b_scale"), arg("reduce_op"), arg("group_name"), arg("out_dtype"), arg("pieces"),
       arg("split"), gil);
   m.def(
-      "check_same_shape_on_all_ranks",
-      [](const at::Tensor& tensor, const std::string& group_name, const std::string& op, const std::string& arg) {
-        fastmesh::fused::check_same_shape_on_all_ranks(fastmesh::fused::resolve_group(group_name, op.c_str()), tensor,
-                                                       op.c_str(), arg.c_str());
+      "check_same_shapes_on_all_ranks",
+      [](const std::vector<at::Tensor>& tensors, const std::vector<std::string>& args, const std::string& group_name,
+         const std::string& op) {
+        fastmesh::fused::check_same_shapes_on_all_ranks(fastmesh::fused::resolve_group(group_name, op.c_str()), tensors,
+                                                        args, op.c_str());
       },
-      "The fused ops' cross-rank shape check (csrc/fused/process_group.h): on the first call per op and "
-      "argument on CPU groups, on every call with TORCH_DISTRIBUTED_DEBUG=DETAIL.",
-      pybind11::arg("tensor"), pybind11::arg("group_name"), pybind11::arg("op"), pybind11::arg("arg"),
-      pybind11::call_guard<pybind11::gil_scoped_release>());
+      "The fused ops' cross-rank shape check (csrc/fused/process_group.h) of `tensors`, named `args`: on the "
+      "first call per op and arguments on CPU groups; on every call with FASTMESH_SHAPE_CHECK=every or "
+      "TORCH_DISTRIBUTED_DEBUG=DETAIL.",
+      arg("tensors"), arg("args"), arg("group_name"), arg("op"), gil);
+  m.def(
+      "inject_fault", [](int64_t after, const std::string& action) { fastmesh::fused::inject_fault(after, action); },
+      "Test-only: after `after` more pipeline pieces of the fused ops have started in this process, the next "
+      "one starts and then `action` strikes (\"exit\", \"raise\", \"stall\"; \"none\" disarms): "
+      "csrc/fused/process_group.h.",
+      arg("after"), arg("action"));
 }

@@ -1,15 +1,26 @@
-"""One rank of tests/test_faults.py, a fresh process that may die:
-``python fault_ranks.py SCENARIO RANK WORLD TIMEOUT STORE_PATH OUT_PATH [OP ...]``.
+"""One rank of tests/test_faults.py, a fresh process that may die: ``python fault_ranks.py CONFIG RANK``.
 
-Every rank makes one group per op (``dist.new_group(timeout=TIMEOUT)``) and runs the op once on it while
-every rank is alive, so that the first call's cross-rank shape check is behind it. Then the last rank fails:
+CONFIG is a JSON file the test writes: ``world``, ``timeout`` (seconds, of every group the cases use), ``mesh``,
+``fault``, ``cases``, ``failing_rank``, ``store`` and ``out`` (where each rank writes what it saw, as JSON).
 
-- ``exit``: it exits, right before the others call each op again on its group;
-- ``stall``: it stays alive but never calls, as a rank stuck in its own work would.
+Each case runs on groups of its own, made up front: ``mesh`` ``"1d"``, a new group of every rank; ``"2x2"``, the
+tp group of a new ``fastmesh.init_mesh(dp=2, tp=2, timeout=...)`` (the failing rank's tp group is then half of
+the world). A case (:data:`CASES`) is one fused op's forward or backward (bf16 small integers, or FP8), or
+``"block"``: a training step of a Llama block under the fused TP plan, its gradients then all-reduced over dp.
 
-The others time each op's call and write what they saw (op, group, seconds until the error, the exception's
-classes and message) to OUT_PATH as JSON. The group of an op is used only for that op: a group whose peer
-failed is not used again.
+The fault, of the failing rank:
+
+- ``exit_before`` / ``stall_before``: every case runs once while every rank is alive (a backward case keeps its
+  forward's graph), then the failing rank exits (as a crash) / stays alive but never calls again, and the others
+  run each case again (the backward cases: the backward of that healthy forward);
+- ``exit`` / ``raise`` / ``stall``: the failing rank arms ``fastmesh._C.inject_fault`` right before its call of
+  each case (the op, or the backward; for ``block`` the step), so that it fails inside the op once its first
+  pipeline piece has started (``block``: its fourth). ``raise``: it records the op's error and goes on with the
+  next case once every rank is done with this one; ``exit`` and ``stall`` fail the first case, and the others
+  then fail every later case without it.
+
+A rank that saw an error in ``block`` exits right after recording it, as a process whose step raised would: its
+dp peers must then fail too.
 """
 
 import datetime
@@ -20,72 +31,186 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 import fastmesh
 from fastmesh.fp8 import Float8Config
+from fastmesh.testing.llama import Llama, LlamaArgs, parallelize_llama
+
+PIECES = 4  # every piece after the first is one the failing rank never sends (inject_fault strikes at the first)
+FP8 = Float8Config()
 
 
-def _operands(rank: int):
-    torch.manual_seed(rank)
-    a = torch.randint(-4, 5, (12, 16)).float()  # rows divisible by 2 and 3 ranks
-    b = torch.randint(-4, 5, (16, 8)).float()
-    return a, b
+def _ints(shape, seed, requires_grad):
+    t = torch.randint(-2, 3, shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return t.requires_grad_(requires_grad)
 
 
-# Each op's forward on `group`, with two pieces (pieces= given: no plan exchange between the ranks).
+def _operands(rank: int, backward: bool):
+    # 24 rows: divisible by 2, 3 and 4 ranks, 4 pieces of whole rows for every op.
+    return _ints((24, 16), 10 + rank, backward), _ints((16, 8), 20 + rank, backward)
+
+
+def _all_gather_matmul(a, b, group, fp8):
+    return fastmesh.all_gather_matmul(a, [b], 0, group=group, pieces=PIECES, fp8=fp8)[1][0]
+
+
+def _matmul_reduce_scatter(a, b, group, fp8):
+    return fastmesh.matmul_reduce_scatter(a, b, 0, group=group, pieces=PIECES, fp8=fp8)
+
+
+def _matmul_all_reduce(a, b, group, fp8):
+    return fastmesh.matmul_all_reduce(a, b, group=group, pieces=PIECES, fp8=fp8)
+
+
+def _matmul_all_gather(a, b, group, fp8):
+    assert fp8 is None, "matmul_all_gather has no FP8 form"
+    return fastmesh.matmul_all_gather(a, b, group=group, pieces=PIECES)
+
+
+# "op[/fp8][/bwd]": the op's forward, or its backward (ops whose backward communicates), bf16 or FP8.
 OPS = {
-    "all_gather_matmul": lambda a, b, g: fastmesh.all_gather_matmul(a, [b], 0, group=g, pieces=2),
-    "matmul_reduce_scatter": lambda a, b, g: fastmesh.matmul_reduce_scatter(a, b, 0, group=g, pieces=2),
-    "matmul_all_reduce": lambda a, b, g: fastmesh.matmul_all_reduce(a, b, group=g, pieces=2),
-    "matmul_all_gather": lambda a, b, g: fastmesh.matmul_all_gather(a, b, group=g, pieces=2),
-    "all_gather_matmul_fp8": lambda a, b, g: fastmesh.all_gather_matmul(
-        a, [b], 0, group=g, pieces=2, fp8=Float8Config()
-    ),
+    "all_gather_matmul": _all_gather_matmul,
+    "matmul_reduce_scatter": _matmul_reduce_scatter,
+    "matmul_all_reduce": _matmul_all_reduce,
+    "matmul_all_gather": _matmul_all_gather,
 }
+CASES = [
+    *OPS,
+    *(f"{op}/fp8" for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")),
+    *(f"{op}/bwd" for op in ("all_gather_matmul", "matmul_reduce_scatter")),
+    *(f"{op}/fp8/bwd" for op in ("all_gather_matmul", "matmul_reduce_scatter")),
+    "block",
+]
 
 
-def main(scenario: str, rank: int, world: int, timeout: float, store_path: str, out_path: str, ops: list[str]):
-    store = dist.FileStore(store_path, world)
-    # The default group only sets up and synchronizes (ranks start seconds apart on a busy machine): a long
-    # timeout. The ops' groups have the short one under test.
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    groups = {name: dist.new_group(timeout=datetime.timedelta(seconds=timeout)) for name in ops}
-    a, b = _operands(rank)
-    for name in ops:
-        OPS[name](a, b, groups[name])
-    dist.barrier()
+class OpCase:
+    """A fused op's forward, or its backward (of a forward made while every rank was alive)."""
 
-    failing = rank == world - 1
-    if failing and scenario == "exit":
-        store.set("exiting", "1")
-        os._exit(0)  # no clean-up: as a crash, the process's sockets close with it
-    if failing:  # stall: alive, but never calls again, until the others are done
-        store.wait([f"done {r}" for r in range(world - 1)], datetime.timedelta(seconds=300))
-        os._exit(0)
-    if scenario == "exit":
-        store.wait(["exiting"])
-        time.sleep(0.5)  # the peer is gone (os._exit takes milliseconds)
-    results = []
-    for name in ops:
-        start = time.monotonic()
-        record = {"op": name, "group": groups[name].group_name, "rank": rank}
-        try:
-            OPS[name](a, b, groups[name])
-        except Exception as error:  # what the survivor sees is the result
-            record.update(
-                classes=[cls.__name__ for cls in type(error).__mro__],
-                message=str(error),
-                cause=repr(error.__cause__),
-            )
-        record["seconds"] = time.monotonic() - start
-        results.append(record)
-    with open(out_path + ".tmp", "w") as f:
+    def __init__(self, name: str, rank: int, group):
+        op, *flags = name.split("/")
+        self.fn, self.fp8, self.backward = OPS[op], FP8 if "fp8" in flags else None, "bwd" in flags
+        self.rank, self.group, self.out = rank, group, None
+
+    def prepare(self):
+        """A healthy call while every rank is alive (the first call's shape check and plan are then behind): the
+        forward, kept for the backward of a backward case."""
+        out = self.fn(*_operands(self.rank, self.backward), self.group, self.fp8)
+        self.out = out if self.backward else None
+
+    def run(self):
+        if self.backward:
+            self.out.float().sum().backward()
+        else:
+            self.fn(*_operands(self.rank, False), self.group, self.fp8)
+
+
+class BlockCase:
+    """One training step of a one-layer Llama under the fused TP plan on the tp axis of a (dp, tp) mesh; the
+    gradients are then all-reduced over dp (data parallelism)."""
+
+    ARGS = LlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64)
+
+    def __init__(self, mesh):
+        torch.manual_seed(0)
+        self.model = parallelize_llama(Llama(self.ARGS), mesh["tp"], "fastmesh", pieces=PIECES)
+        self.dp = mesh.get_group("dp")
+        dp_rank = mesh.get_local_rank("dp")
+        g = torch.Generator().manual_seed(dp_rank)
+        self.tokens = torch.randint(self.ARGS.vocab_size, (2, 9), generator=g)
+
+    def prepare(self):
+        """A healthy step while every rank is alive."""
+        self.run()
+
+    def run(self):
+        logits = self.model(self.tokens[:, :-1])
+        with loss_parallel():
+            F.cross_entropy(logits.flatten(0, 1), self.tokens[:, 1:].flatten()).backward()
+        for p in self.model.parameters():
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(grad, group=self.dp)
+            p.grad = None
+
+
+def _make_cases(config: dict, rank: int):
+    """Each case with the groups it runs on; every rank makes every group, in the same order."""
+    timeout = config["timeout"]
+    cases = []
+    for name in config["cases"]:
+        if config["mesh"] == "2x2":
+            mesh = fastmesh.init_mesh(dp=2, tp=2, timeout=timeout)
+            group = mesh.get_group("tp")
+        else:
+            mesh, group = None, dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+        cases.append((name, group, BlockCase(mesh) if name == "block" else OpCase(name, rank, group)))
+    return cases
+
+
+def _barrier(store, name: str, ranks):
+    store.set(f"{name} {dist.get_rank()}", "1")
+    store.wait([f"{name} {r}" for r in ranks], datetime.timedelta(seconds=300))
+
+
+def _record(name: str, group, rank: int, call) -> dict:
+    record = {"case": name, "group": group.group_name, "rank": rank}
+    start = time.monotonic()
+    try:
+        call()
+        record["ok"] = True
+    except Exception as error:  # what a rank sees is the result
+        record.update(ok=False, classes=[cls.__name__ for cls in type(error).__mro__], message=str(error))
+    record["seconds"] = time.monotonic() - start
+    return record
+
+
+def _write(path: str, results: list) -> None:
+    with open(path + ".tmp", "w") as f:
         json.dump(results, f, indent=1)
-    os.replace(out_path + ".tmp", out_path)
+    os.replace(path + ".tmp", path)
+
+
+def main(config: dict, rank: int):
+    world, failing, fault = config["world"], config["failing_rank"], config["fault"]
+    store = dist.FileStore(config["store"], world)
+    # The default group only sets up and synchronizes (ranks start seconds apart on a busy machine): a long
+    # timeout. The cases' groups have the short one under test.
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    cases = _make_cases(config, rank)
+    out_path = os.path.join(config["out"], f"rank{rank}.json")
+    ext = fastmesh._cpp_lib.load()
+    results = []
+
+    for _, _, case in cases:
+        case.prepare()
+    dist.barrier()
+    if fault.endswith("_before"):
+        if rank == failing:
+            if fault == "exit_before":
+                os._exit(0)  # no clean-up: as a crash, the process's sockets close with it
+            store.wait([f"done {r}" for r in range(world) if r != failing], datetime.timedelta(seconds=300))
+            os._exit(0)
+        time.sleep(0.5)  # the failing rank is gone (os._exit takes milliseconds)
+
+    others = [r for r in range(world) if r != failing]
+    for i, (name, group, case) in enumerate(cases):
+        if rank == failing:
+            ext.inject_fault(3 if name == "block" else 0, fault)
+        record = _record(name, group, rank, case.run)
+        ext.inject_fault(0, "none")
+        results.append(record)
+        _write(out_path, results)
+        if not record["ok"] and name == "block":
+            os._exit(1)  # as a process whose step raised: its dp peers must notice
+        # A raising rank lives on: the next case starts when every rank is done with this one.
+        _barrier(store, f"case {i}", range(world) if fault == "raise" else others)
     store.set(f"done {rank}", "1")
     os._exit(0)  # destroy_process_group could wait on the failed peer
 
 
 if __name__ == "__main__":
-    scenario, rank, world, timeout, store_path, out_path, *ops = sys.argv[1:]
-    main(scenario, int(rank), int(world), float(timeout), store_path, out_path, ops or list(OPS))
+    config_path, rank = sys.argv[1:]
+    with open(config_path) as f:
+        main(json.load(f), int(rank))

@@ -640,8 +640,10 @@ def _call_cpu_kernel(op, *args):
 @on_ranks(2, 4)
 def test_shard_shapes_that_differ_across_ranks_raise_on_every_rank():
     """The first call of an op on a group checks the shapes (and so does the next, until one passes), and every
-    call does with TORCH_DISTRIBUTED_DEBUG=DETAIL (unchecked, gloo would abort the receiving process on such a
-    transfer)."""
+    call does with FASTMESH_SHAPE_CHECK=every or TORCH_DISTRIBUTED_DEBUG=DETAIL (unchecked, gloo would abort the
+    receiving process on such a transfer)."""
+    from environment import environment
+
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def mismatched_calls(group):
@@ -657,15 +659,26 @@ def test_shard_shapes_that_differ_across_ranks_raise_on_every_rank():
         b = torch.randn(4, 2 * (1 + rank))
         with pytest.raises(ValueError, match=r"a @ b must have the same shape and dtype on every rank"):
             fastmesh.matmul_reduce_scatter(torch.randn(8, 4), b, 0, group=group)
+        # An empty shard on one rank only: still a call whose shapes differ.
+        with pytest.raises(ValueError, match=r"a_shard must have the same shape"):
+            fastmesh.all_gather_matmul(torch.randn(rank % 2, 4), [torch.randn(4, 2)], 0, group=group)
 
     mismatched_calls(dist.new_group(list(range(world))))  # first calls on a new group
+    fastmesh.all_gather_matmul(torch.randn(3, 4), [torch.randn(4, 2)], 0)  # passes: later calls are not checked
+    fastmesh.matmul_reduce_scatter(torch.randn(8, 4), torch.randn(4, 2), 0)
+    with environment(FASTMESH_SHAPE_CHECK="every"):
+        mismatched_calls(dist.group.WORLD)
     previous = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     try:
-        fastmesh.all_gather_matmul(torch.randn(3, 4), [torch.randn(4, 2)], 0)  # passes
         mismatched_calls(dist.group.WORLD)
     finally:
         dist.set_debug_level(previous)
+    with (
+        environment(FASTMESH_SHAPE_CHECK="sometimes"),
+        pytest.raises(ValueError, match=r'FASTMESH_SHAPE_CHECK .* must be "first" or "every", got "sometimes"'),
+    ):
+        fastmesh.all_gather_matmul(torch.randn(3, 4), [torch.randn(4, 2)], 0)
     # The group is still usable afterwards.
     t = torch.ones(1)
     dist.all_reduce(t)

@@ -197,16 +197,17 @@ def _opcheck_fp8(op, args):
 @on_ranks(2, 4)
 def test_fp8_ops_on_cpu_move_one_piece_per_rank_by_default(world_size):
     """torch's CPU _scaled_mm converts all of b on every call, so the fixed rule's piece count on CPU
-    (FASTMESH_TUNE=off) is one per rank block (csrc/fused/scaled.h); an explicit count is honoured. 512 rows of
-    4 KiB per rank would make the size-based count 2."""
+    (FASTMESH_TUNE=off) is one per rank block (csrc/fused/scaled.h); an explicit count is honoured. The size-based
+    count of anything over one row is at least 2 (csrc/include/fastmesh/pipeline.h), so small shapes tell them
+    apart."""
     with environment(FASTMESH_TUNE="off"):
         _fp8_pieces_by_the_fixed_rule(world_size)
 
 
 def _fp8_pieces_by_the_fixed_rule(world_size):
     name = _world_name()
-    a = fp8_ints((512 * world_size, 64), E4M3, seed=dist.get_rank())
-    b = fp8_ints((4096, 64), E4M3, seed=1).t()
+    a = fp8_ints((8 * world_size, 64), E4M3, seed=dist.get_rank())
+    b = fp8_ints((48, 64), E4M3, seed=1).t()
     one = torch.ones(())
     op = torch.ops.fastmesh.scaled_matmul_reduce_scatter
     op(a, one, b, one, 0, "sum", name, torch.float32, 0)  # the first call's shape check is behind us
@@ -214,8 +215,8 @@ def _fp8_pieces_by_the_fixed_rule(world_size):
         calls = c10d_calls(lambda: op(a, one, b, one, 0, "sum", name, torch.float32, given))
         assert calls == p2p_pieces(world_size, pieces), (given, calls)
     gather = torch.ops.fastmesh.all_gather_scaled_matmul
-    a_shard = fp8_ints((1024, 1024), E4M3, seed=dist.get_rank())  # 1 MiB per rank: 2 pieces by size
-    b = fp8_ints((8, 1024), E4M3, seed=2).t()
+    a_shard = fp8_ints((16, 64), E4M3, seed=dist.get_rank())
+    b = fp8_ints((8, 64), E4M3, seed=2).t()
     gather(a_shard, one, [b], [one], 0, name, torch.float32, False, 0)
     for given, pieces in ((0, 1), (3, 3)):
         calls = c10d_calls(lambda: gather(a_shard, one, [b], [one], 0, name, torch.float32, False, given))
@@ -316,3 +317,22 @@ def test_fp8_bad_inputs():
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
+
+
+@pytest.mark.skipif(not ROWWISE_ON_CPU, reason="torch < 2.13 has no row-wise _scaled_mm on CPU")
+@on_ranks(2)
+def test_fp8_scales_that_differ_across_ranks_raise_on_every_rank():
+    """One check compares a_shard and a_scale: a row-wise scale on one rank and a tensor-wise one on another cannot
+    meet in one gathered a."""
+    rank = dist.get_rank()
+    a = fp8_ints([4, 16], E4M3, seed=rank)
+    b = fp8_ints((8, 16), E4M3, seed=1).t()
+    one = torch.tensor(1.0)
+    a_scale = torch.ones(4, 1) if rank == 1 else one
+    group = dist.new_group([0, 1])
+    with pytest.raises(
+        ValueError,
+        match=r"a_scale must have the same shape and dtype on every rank of the group, got:\n"
+        r"  rank 0: shape \[\] torch.float32\n  rank 1: shape \[4, 1\] torch.float32",
+    ):
+        torch.ops.fastmesh.all_gather_scaled_matmul(a, a_scale, [b], [one], 0, group.group_name, torch.bfloat16)

@@ -33,7 +33,7 @@ from fastmesh.kernels import fp8_reference
 from fastmesh.kernels import fused_reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rank_pool import RankFailure, get_pool
+from rank_pool import get_pool
 
 import fastmesh
 from fastmesh.fp8 import Float8Config
@@ -662,8 +662,8 @@ def test_fp8_reduce_scatter_with_no_columns(world):
 
 
 # Found by test_fp8_all_gather_matmul (FASTMESH_HYPOTHESIS_EXAMPLES=1000, shrunk): a shard whose gathered dim is
-# empty while the dims before it hold more than one row fails in the FP8 gather (the front always asks for the
-# gathered a), "The size of tensor a (2) must match the size of tensor b (0)"; the high-precision op returns.
+# empty while the dims before it hold more than one row failed in the FP8 gather (the front always asks for the
+# gathered a), "The size of tensor a (2) must match the size of tensor b (0)"; the high-precision op returned.
 FP8_GATHER_OF_AN_EMPTY_DIM = dict(
     dtype="float32",
     shape=[2, 0, 1],
@@ -678,14 +678,9 @@ FP8_GATHER_OF_AN_EMPTY_DIM = dict(
 
 
 def test_fp8_all_gather_of_an_empty_dim():
-    """Xfails while the op raises the known error (csrc/fused/all_gather_scaled_matmul.cpp returns early only when
-    no rank block has a unit: here 2 units of 0 rows); a plain regression check once that is fixed."""
-    try:
-        run_on_ranks(_check_fp8_all_gather_matmul, 2, FP8_GATHER_OF_AN_EMPTY_DIM)
-    except RankFailure as failure:
-        if "The size of tensor a (2) must match the size of tensor b (0)" not in str(failure):
-            raise
-        pytest.xfail("the FP8 all-gather of an empty dim after non-empty ones fails in C++ (reported)")
+    """csrc/fused/all_gather_scaled_matmul.cpp returned early only when no rank block had a unit (here: 2 units of
+    0 rows); now whenever there are no rows."""
+    run_on_ranks(_check_fp8_all_gather_matmul, 2, FP8_GATHER_OF_AN_EMPTY_DIM)
 
 
 # ---- fastmesh.fp8.quantize, in this process ----

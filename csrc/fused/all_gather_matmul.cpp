@@ -99,7 +99,6 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
                                   : std::string("a_shard"),
                       "), got shape ", bs[i].sizes());
   }
-  check_same_shape_on_all_ranks(group, a_shard, kOp, "a_shard");
 
   const std::vector<int64_t> full_sizes = with_size(a_shard.sizes(), dim, a_shard.size(dim) * world);
   std::optional<at::Tensor> a_full;

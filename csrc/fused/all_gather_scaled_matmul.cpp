@@ -57,9 +57,6 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   check_scales_supported(any_rowwise, a_shard.device(), kOp);
   const Group group = resolve_group(group_name, kOp);
   const int64_t world = group->getSize(), rank = group->getRank();
-  check_same_shape_on_all_ranks(group, a_shard, kOp, "a_shard");
-  // Row-wise and tensor-wise shards cannot meet in one gathered a.
-  check_same_shape_on_all_ranks(group, a_scale, kOp, "a_scale");
 
   const std::vector<int64_t> full_sizes = with_size(a_shard.sizes(), dim, a_shard.size(dim) * world);
   const int64_t k = a_shard.size(-1);
@@ -72,7 +69,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
     a_scale_full = at::empty(rowwise_sizes(full_sizes), a_scale.options());
   }
   const RowLayout layout = pipeline::row_layout(a_shard.sizes(), dim);
-  if (layout.units == 0) return {a_full, a_scale_full, outs};
+  if (layout.outer * layout.inner == 0) return {a_full, a_scale_full, outs};  // no rows: nothing to gather
   TORCH_CHECK_VALUE(k > 0, kOp, ": a_shard must have a non-empty last dim (scales per row of nothing), got shape ",
                     a_shard.sizes());
 

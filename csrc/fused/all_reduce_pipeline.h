@@ -16,8 +16,8 @@
 namespace fastmesh {
 namespace fused {
 
-// The all-reduced product ([out_sizes], `k` the contraction of this rank's multiply): allocates it, checks
-// that it has the same shape on every rank, then for each piece of its rows in order calls
+// The all-reduced product ([out_sizes], `k` the contraction of this rank's multiply; the same on every rank,
+// which the op's Python kernel checked): allocates it, then for each piece of its rows in order calls
 // multiply_rows(slice, first_row, rows), which fills `slice` (those rows of the product as a contiguous
 // matrix), and starts the slice's all-reduce, which runs while the next piece is multiplied. Split kNone is
 // one piece: one multiply, then one all-reduce.
@@ -27,7 +27,6 @@ at::Tensor all_reduce_product(const Group& group, const std::vector<int64_t>& ou
                               pipeline::Split split, const char* op, const MultiplyRows& multiply_rows) {
   const int64_t world = group->getSize();
   at::Tensor out = at::empty(out_sizes, options);
-  check_same_shape_on_all_ranks(group, out, op, "a @ b");
   if (out.numel() == 0) return out;
   if (k == 0) return out.zero_();  // empty contraction on every rank: the sum of zeros
 

@@ -8,6 +8,9 @@
 #include <torch/csrc/distributed/c10d/debug.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -15,6 +18,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 
 namespace fastmesh {
 namespace fused {
@@ -103,16 +107,26 @@ Work started(c10d::OpType type, const Start& start) {
   }
 }
 
+// The group's timeout for `device` as it is now (Transfer): its backend's options, or the backend's own default
+// where a backend does not expose them.
+std::chrono::milliseconds current_timeout(const Group& group, const at::Device& device) {
+  try {
+    return group->getBackend(device.type())->getBackendOptions()->timeout;
+  } catch (const c10::Error&) {
+    return std::chrono::milliseconds(0);
+  }
+}
+
 void start_send(const Group& group, std::vector<Transfer>& transfers, const at::Tensor& tensor, int64_t peer, int tag) {
   std::vector<at::Tensor> tensors{tensor};
   Work work = started(c10d::OpType::SEND, [&] { return group->send(tensors, static_cast<int>(peer), tag); });
-  transfers.emplace_back(std::move(work), Transfer::Kind::kSend, peer);
+  transfers.emplace_back(std::move(work), Transfer::Kind::kSend, peer, current_timeout(group, tensor.device()));
 }
 
 void start_recv(const Group& group, std::vector<Transfer>& transfers, const at::Tensor& tensor, int64_t peer, int tag) {
   std::vector<at::Tensor> tensors{tensor};
   Work work = started(c10d::OpType::RECV, [&] { return group->recv(tensors, static_cast<int>(peer), tag); });
-  transfers.emplace_back(std::move(work), Transfer::Kind::kReceive, peer);
+  transfers.emplace_back(std::move(work), Transfer::Kind::kReceive, peer, current_timeout(group, tensor.device()));
 }
 
 }  // namespace
@@ -198,53 +212,10 @@ void InFlight::fail(size_t i, const Transfer& transfer, const std::exception& er
 
 namespace {
 
-// A fixed-size fingerprint so that the check itself cannot mismatch: [ndim, dtype, sizes..., fold].
+// A fixed-size fingerprint per tensor so that the check itself cannot mismatch: [ndim, dtype, sizes..., fold].
 constexpr int64_t kShapeSlots = 10;
 
-std::string describe(const int64_t* slots) {
-  std::ostringstream out;
-  const int64_t ndim = slots[0];
-  out << "shape [";
-  for (int64_t i = 0; i < std::min(ndim, kShapeSlots - 3); ++i) out << (i ? ", " : "") << slots[2 + i];
-  if (ndim > kShapeSlots - 3) out << ", ...";
-  out << "] " << torch_dtype_name(static_cast<c10::ScalarType>(slots[1]));
-  return out.str();
-}
-
-}  // namespace
-
-namespace {
-
-std::mutex checked_mutex;
-std::set<std::string> checked_calls;  // group name / op / argument whose first call passed the check
-
-std::string call_key(const Group& group, const char* op, const char* arg) {
-  return group->getGroupName() + "/" + op + "/" + arg;
-}
-
-// Every rank takes the same decision: the ranks of a group call its ops in the same order (as for any
-// collective), so a call is the first of its op and argument on the group on every rank or on none.
-bool checks_this_call(const Group& group, const at::Tensor& tensor, const char* op, const char* arg) {
-  if (c10d::debug_level() == c10d::DebugLevel::Detail) return true;
-  if (!tensor.device().is_cpu()) return false;
-  std::lock_guard<std::mutex> lock(checked_mutex);
-  return checked_calls.count(call_key(group, op, arg)) == 0;
-}
-
-void passed_check(const Group& group, const char* op, const char* arg) {
-  std::lock_guard<std::mutex> lock(checked_mutex);
-  checked_calls.insert(call_key(group, op, arg));
-}
-
-}  // namespace
-
-void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor, const char* op, const char* arg) {
-  const int64_t world = group->getSize();
-  if (world == 1 || !checks_this_call(group, tensor, op, arg)) return;
-  const bool on_cpu = tensor.device().is_cpu();
-
-  at::Tensor mine = at::zeros({kShapeSlots}, at::kLong);
-  int64_t* slots = mine.mutable_data_ptr<int64_t>();
+void fingerprint(const at::Tensor& tensor, int64_t* slots) {
   slots[0] = tensor.dim();
   slots[1] = static_cast<int64_t>(tensor.scalar_type());
   uint64_t fold = 0;  // dims past the slots, hashed (FNV-1a): still detects a mismatch there
@@ -256,9 +227,73 @@ void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor,
     }
   }
   slots[kShapeSlots - 1] = static_cast<int64_t>(fold);
+}
 
-  at::Tensor send = on_cpu ? mine : mine.to(tensor.device());
-  at::Tensor all = at::empty({world * kShapeSlots}, send.options());
+std::string describe(const int64_t* slots) {
+  std::ostringstream out;
+  const int64_t ndim = slots[0];
+  out << "shape [";
+  for (int64_t i = 0; i < std::min(ndim, kShapeSlots - 3); ++i) out << (i ? ", " : "") << slots[2 + i];
+  if (ndim > kShapeSlots - 3) out << ", ...";
+  out << "] " << torch_dtype_name(static_cast<c10::ScalarType>(slots[1]));
+  return out.str();
+}
+
+constexpr const char* kShapeCheckVariable = "FASTMESH_SHAPE_CHECK";
+
+// Read on every call (one getenv), so that a test or a debugging session can switch it between calls.
+bool checks_every_call() {
+  if (c10d::debug_level() == c10d::DebugLevel::Detail) return true;
+  const char* value = std::getenv(kShapeCheckVariable);
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "first") == 0) return false;
+  if (std::strcmp(value, "every") == 0) return true;
+  TORCH_CHECK_VALUE(false, kShapeCheckVariable, " (when the fused ops compare shapes across ranks) must be ",
+                    "\"first\" or \"every\", got \"", value, '"');
+}
+
+std::mutex checked_mutex;
+std::set<std::string> checked_calls;  // group name / op / arguments whose first call passed the check
+
+std::string call_key(const Group& group, const char* op, const std::vector<std::string>& args) {
+  std::string key = group->getGroupName() + "/" + op;
+  for (const std::string& arg : args) key += "/" + arg;
+  return key;
+}
+
+// Every rank takes the same decision: the ranks of a group call its ops in the same order (as for any
+// collective), so a call is the first of its op and arguments on the group on every rank or on none.
+bool checks_this_call(const at::Device& device, const std::string& key) {
+  if (checks_every_call()) return true;
+  if (!device.is_cpu()) return false;
+  std::lock_guard<std::mutex> lock(checked_mutex);
+  return checked_calls.count(key) == 0;
+}
+
+void passed_check(const std::string& key) {
+  std::lock_guard<std::mutex> lock(checked_mutex);
+  checked_calls.insert(key);
+}
+
+}  // namespace
+
+void check_same_shapes_on_all_ranks(const Group& group, const std::vector<at::Tensor>& tensors,
+                                    const std::vector<std::string>& args, const char* op) {
+  TORCH_CHECK_VALUE(!tensors.empty() && tensors.size() == args.size(), op,
+                    ": the shape check takes one name per tensor, got ", tensors.size(), " tensors and ", args.size(),
+                    " names");
+  const int64_t world = group->getSize();
+  const at::Device device = tensors[0].device();
+  if (world == 1) return;
+  const std::string key = call_key(group, op, args);
+  if (!checks_this_call(device, key)) return;
+
+  const int64_t slots_per_rank = kShapeSlots * static_cast<int64_t>(tensors.size());
+  at::Tensor mine = at::zeros({slots_per_rank}, at::kLong);
+  int64_t* slots = mine.mutable_data_ptr<int64_t>();
+  for (size_t t = 0; t < tensors.size(); ++t) fingerprint(tensors[t], slots + t * kShapeSlots);
+
+  at::Tensor send = device.is_cpu() ? mine : mine.to(device);
+  at::Tensor all = at::empty({world * slots_per_rank}, send.options());
   {
     RECORD_USER_SCOPE("fastmesh::check_shapes");
     InFlight check(group, op, "the cross-rank shape check (before the pieces)");
@@ -267,16 +302,65 @@ void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor,
   }
   const at::Tensor gathered = all.cpu();
   const int64_t* theirs = gathered.const_data_ptr<int64_t>();
-  bool same = true;
-  for (int64_t i = 0; i < world * kShapeSlots; ++i) same = same && theirs[i] == slots[i % kShapeSlots];
-  if (same) {
-    passed_check(group, op, arg);
-    return;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    bool same = true;
+    for (int64_t r = 0; r < world; ++r) {
+      same = same && std::equal(slots + t * kShapeSlots, slots + (t + 1) * kShapeSlots,
+                                theirs + r * slots_per_rank + t * kShapeSlots);
+    }
+    if (same) continue;
+    std::ostringstream ranks;
+    for (int64_t r = 0; r < world; ++r) {
+      ranks << "\n  rank " << r << ": " << describe(theirs + r * slots_per_rank + t * kShapeSlots);
+    }
+    TORCH_CHECK_VALUE(false, op, ": ", args[t],
+                      " must have the same shape and dtype on every rank of the group, got:", ranks.str());
   }
-  std::ostringstream ranks;
-  for (int64_t r = 0; r < world; ++r) ranks << "\n  rank " << r << ": " << describe(theirs + r * kShapeSlots);
-  TORCH_CHECK_VALUE(false, op, ": ", arg,
-                    " must have the same shape and dtype on every rank of the group, got:", ranks.str());
+  passed_check(key);
+}
+
+// ---- fault injection (tests) ----
+
+namespace {
+
+enum class Fault : int { kNone = 0, kExit = 1, kRaise = 2, kStall = 3 };
+
+// Pieces still to start before the fault; negative: none armed. One relaxed load per started transfer is all
+// the pipelines pay.
+std::atomic<int64_t> fault_countdown{-1};
+std::atomic<int> fault_action{static_cast<int>(Fault::kNone)};
+
+}  // namespace
+
+void inject_fault(int64_t after, c10::string_view action) {
+  Fault fault = Fault::kNone;
+  if (action == "exit") fault = Fault::kExit;
+  if (action == "raise") fault = Fault::kRaise;
+  if (action == "stall") fault = Fault::kStall;
+  TORCH_CHECK_VALUE(fault != Fault::kNone || action == "none", "inject_fault: action must be \"exit\", \"raise\", ",
+                    "\"stall\" or \"none\", got \"", std::string(action), '"');
+  TORCH_CHECK_VALUE(after >= 0, "inject_fault: after must be >= 0, got ", after);
+  fault_action.store(static_cast<int>(fault));
+  fault_countdown.store(fault == Fault::kNone ? -1 : after);
+}
+
+void InFlight::add(std::vector<Transfer> transfers) {
+  pieces_.push_back(std::move(transfers));
+  waited_.push_back(0);
+  if (fault_countdown.load(std::memory_order_relaxed) < 0 || std::strcmp(what_, "piece") != 0) return;
+  if (fault_countdown.fetch_sub(1) != 0) return;
+  fault_countdown.store(-1);
+  switch (static_cast<Fault>(fault_action.load())) {
+    case Fault::kExit:  // as a crash: no clean-up, the process's sockets close with it
+      std::_Exit(1);
+    case Fault::kStall:  // alive but never progressing, as a rank stuck in its own work; its killer ends it
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    case Fault::kRaise:
+      TORCH_CHECK(false, op_, ": injected fault (fastmesh._C.inject_fault) after starting ", what_, " ", pieces_.size(),
+                  " on rank ", group_->getRank(), " of group \"", group_->getGroupName(), '"');
+    case Fault::kNone:
+      break;
+  }
 }
 
 }  // namespace fused

@@ -7,6 +7,8 @@
 #include <c10/util/string_view.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -42,13 +44,21 @@ bool point_to_point(const Group& group, const at::Device& device);
 
 // One transfer of a piece, with whom it waits on for the error of a failed wait: a send to or a receive from
 // `peer` (a rank of the group), or a collective of the whole group (a Work converts to one).
+//
+// A point-to-point transfer is waited for with the group's timeout as it is now (`timeout`), not as it was when
+// the group was made: gloo's send and receive keep the latter otherwise, and torch's dist.set_timeout (which
+// init_mesh uses for a mesh's groups) changes only what its collectives wait. A collective is waited for with
+// the backend's own default (NCCL's wait must not block the host).
 struct Transfer {
   enum class Kind { kCollective, kSend, kReceive };
   Transfer(Work work) : work(std::move(work)) {}  // NOLINT(google-explicit-constructor): a collective
-  Transfer(Work work, Kind kind, int64_t peer) : work(std::move(work)), kind(kind), peer(peer) {}
+  Transfer(Work work, Kind kind, int64_t peer, std::chrono::milliseconds timeout)
+      : work(std::move(work)), kind(kind), peer(peer), timeout(timeout) {}
+  void wait() const { kind == Kind::kCollective ? work->wait() : work->wait(timeout); }
   Work work;
   Kind kind = Kind::kCollective;
   int64_t peer = -1;
+  std::chrono::milliseconds timeout{0};  // 0: the backend's default
 };
 
 // Starts the point-to-point exchange of one all-gather piece: `mine` goes to every other rank and
@@ -87,23 +97,21 @@ class InFlight {
     for (size_t i = 0; i < pieces_.size(); ++i) {
       for (size_t t = waited_[i]; t < pieces_[i].size(); ++t) {
         try {
-          pieces_[i][t].work->wait();
+          pieces_[i][t].wait();
         } catch (...) {
         }
       }
     }
   }
-  void add(std::vector<Transfer> transfers) {
-    pieces_.push_back(std::move(transfers));
-    waited_.push_back(0);
-  }
+  // Takes the transfers of the next piece (already started); this is where inject_fault strikes.
+  void add(std::vector<Transfer> transfers);
   // Named in profiles: the time a pipeline is blocked on communication (exposed, not overlapped).
   void wait(size_t i) {
     RECORD_USER_SCOPE("fastmesh::wait_transfer");
     while (waited_[i] < pieces_[i].size()) {
       const Transfer& transfer = pieces_[i][waited_[i]++];  // counted first: a failed one is not waited again
       try {
-        transfer.work->wait();
+        transfer.wait();
       } catch (const std::exception& error) {
         fail(i, transfer, error);
       }
@@ -121,14 +129,22 @@ class InFlight {
   std::vector<size_t> waited_;  // per piece, how many of its transfers have been waited for
 };
 
-// Errors on every rank, naming the op, the argument and each rank's shape, unless `tensor` has the same
-// shape and dtype on every rank of `group`. A transfer of mismatched sizes is not an error gloo reports:
-// it aborts the receiving process (an uncatchable C++ exception on its I/O thread) and hands the sender
-// garbage. The check is one small all-gather, but also a barrier at the start of every op, too slow for every
-// call (docs/design/fused-collectives.md). So it runs on the first call of each op and argument on each CPU
-// group, and on every call (CPU or CUDA) with TORCH_DISTRIBUTED_DEBUG=DETAIL; otherwise equal shapes are the
-// caller's duty, as for torch's own collectives.
-void check_same_shape_on_all_ranks(const Group& group, const at::Tensor& tensor, const char* op, const char* arg);
+// Errors on every rank, naming the op, the argument and each rank's shape, unless each of `tensors` (named by
+// `args`) has the same shape and dtype on every rank of `group`. A transfer of mismatched sizes is not an
+// error gloo reports: it aborts the receiving process (an uncatchable C++ exception on its I/O thread) and
+// hands the sender garbage. The check is one small all-gather of every tensor's fingerprint, but also a
+// barrier at the start of the op (docs/errors.md has its measured cost). So by default it runs on the first
+// call of each op and arguments on each CPU group; FASTMESH_SHAPE_CHECK=every (or
+// TORCH_DISTRIBUTED_DEBUG=DETAIL) checks every call, on CPU and CUDA (where it also syncs the host). Otherwise
+// equal shapes are the caller's duty, as for torch's own collectives.
+void check_same_shapes_on_all_ranks(const Group& group, const std::vector<at::Tensor>& tensors,
+                                    const std::vector<std::string>& args, const char* op);
+
+// Test-only fault injection (tests/test_faults.py): the fused ops' next pipeline pieces (not the shape check, not
+// the FP8 scales' gather) start as usual until `after` of them have started; the one after that starts, then
+// `action` strikes: "exit" ends the process at once (as a crash), "raise" throws from the op (the transfers it
+// started are still drained), "stall" blocks the op forever. "none" disarms. Process-wide, one fault at a time.
+void inject_fault(int64_t after, c10::string_view action);
 
 }  // namespace fused
 }  // namespace fastmesh

@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_mm.h>
+#include <ATen/ops/ones.h>
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
@@ -105,11 +106,21 @@ inline at::Tensor with_standard_strides(const at::Tensor& scale) {
   return scale.clone(at::MemoryFormat::Contiguous);
 }
 
+//
+// torch's CPU _scaled_mm applies a tensor-wise scale_a to a before the products and scale_b after them, so
+// (a * scale_a) @ b can overflow fp32 where the result is finite (activations near 1e36 by weights near 0.01:
+// tests/test_hostile_values.py). On CPU both tensor-wise scales are therefore applied after the products, as
+// one product of the two.
 inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,
                             const at::Tensor& b_scale, at::ScalarType out_dtype, at::Tensor* out = nullptr) {
   const bool rowwise = a_scale.dim() > 0 || b_scale.dim() > 0;
-  const at::Tensor sa = rowwise ? with_standard_strides(a_scale.expand({a_rows.size(0), 1})) : a_scale;
-  const at::Tensor sb = rowwise ? with_standard_strides(b_scale.expand({1, b.size(1)})) : b_scale;
+  const bool cpu_tensorwise = !rowwise && a_rows.device().is_cpu();
+  const at::Tensor sa = rowwise          ? with_standard_strides(a_scale.expand({a_rows.size(0), 1}))
+                        : cpu_tensorwise ? at::ones({}, a_scale.options())
+                                         : a_scale;
+  const at::Tensor sb = rowwise          ? with_standard_strides(b_scale.expand({1, b.size(1)}))
+                        : cpu_tensorwise ? a_scale.mul(b_scale)
+                                         : b_scale;
   if (out) return at::_scaled_mm_out(*out, a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
   return at::_scaled_mm(a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
 }

@@ -139,8 +139,8 @@ void scatter_column_pieces(const Group& group, const char* op, const at::Tensor&
 }
 
 // What both reduce-scatter ops do around their multiplies. Returns this rank's block of the reduced
-// product of a ([..., K], sizes `a_sizes`) and b ([K, n]) along `dim`: allocates it, checks that it has
-// the same shape on every rank, then runs the pipeline `split` names:
+// product of a ([..., K], sizes `a_sizes`) and b ([K, n]) along `dim` (of one shape on every rank, which the op's
+// Python kernel checked): allocates it, then runs the pipeline `split` names:
 // - kRows, with multiply(send_j, j, piece, layout), where the layout's units are the rows of a (dim == last:
 //   rank j gets columns [j*n/W, (j+1)*n/W)) or the [P, W, Q] row blocks of the product (dim < last: rank j
 //   gets rows of block j);
@@ -157,8 +157,6 @@ at::Tensor reduce_scatter_product(const Group& group, at::IntArrayRef a_sizes, i
   out_sizes[last] = n;
   out_sizes[dim] /= world;
   at::Tensor out = at::empty(out_sizes, options);
-  // The product's shape is what travels (b's column count included).
-  check_same_shape_on_all_ranks(group, out, op, "a @ b");
   if (out.numel() == 0) return out;
   if (a_sizes[last] == 0) return out.zero_();  // empty contraction on every rank: the sum of zeros
 

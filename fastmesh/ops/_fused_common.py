@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from fastmesh import _cpp_lib
 from fastmesh.ops._checks import MATMUL_DTYPES, REDUCE_OPS, check_tensor
 from fastmesh.ops._collectives import reduce_scatter
 
@@ -40,6 +41,15 @@ def resolve_pieces(pieces, chunks, where: str, stacklevel: int = 3):
         stacklevel=stacklevel,
     )
     return chunks
+
+
+def check_same_shapes(group_name: str, op: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Errors on every rank (ValueError naming the argument and each rank's shape) unless each of ``tensors``
+    (argument name -> tensor) has the same shape and dtype on every rank of the group: one small all-gather on the
+    first call of each op and arguments on a CPU group, or on every call with ``FASTMESH_SHAPE_CHECK=every``
+    (``csrc/fused/process_group.h``; docs/errors.md). Called before the ranks agree on a plan: ranks whose calls
+    differ must all fail here, not in the planner or the pipeline."""
+    _cpp_lib.load().check_same_shapes_on_all_ranks(list(tensors.values()), list(tensors), group_name, op)
 
 
 def check_pieces(pieces, op: str) -> None:

@@ -47,6 +47,7 @@ from fastmesh.ops._fused_common import (
     check_matmul_operands,
     check_pieces,
     check_reduce_op,
+    check_same_shapes,
     check_scattered_divisible,
     gathered_shape,
     group_size,
@@ -147,16 +148,16 @@ def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=Fals
 
     def run(plan: plans.Plan):
         if plan.split == "consumer_gemm":
-            ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")
             return chunked_gather.all_gather_chunked_matmul(
                 a_shard, bs, dim, chunked_gather.CollectiveTransport(group), return_a, plan.pieces
             )
         return ext.all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, plan.pieces, plan.split)
 
-    if world == 1 or a_shard.numel() == 0:
+    if world == 1:
         return run(plans.FIXED)
-    # Before the ranks agree on a plan: ranks whose calls differ must fail here, all of them, not in the planner.
-    ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")
+    check_same_shapes(group_name, _AG, {"a_shard": a_shard})
+    if a_shard.numel() == 0:
+        return run(plans.FIXED)
     measuring = plans.mode() == "measure"
     reason = chunked_gather.unsupported_reason(a_shard, dim, world) if cuda else "not a CUDA call"
     call = gather_plan_call(a_shard, bs, dim, group_name, consumer_gemm=reason is None and measuring)
@@ -182,10 +183,12 @@ def _matmul_reduce_scatter_kernel(a, b, scatter_dim, reduce_op, group_name, piec
     def run(plan: plans.Plan):
         return ext.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, plan.pieces, plan.split)
 
-    if world == 1 or a.numel() == 0 or b.numel() == 0:
+    if world == 1:
         return run(plans.FIXED)
-    product = scattered_shape(a.shape, b.shape[1], dim, world)
-    ext.check_same_shape_on_all_ranks(a.new_empty(()).expand(product), group_name, _RS, "a @ b")
+    product = scattered_shape(a.shape, b.shape[1], dim, world)  # what travels: its shape, not its values
+    check_same_shapes(group_name, _RS, {"a @ b": a.new_empty(()).expand(product)})
+    if a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
     return run(plans.decide(scatter_plan_call(a, b, dim, group_name), pieces, run).plan)
 
 

@@ -49,6 +49,7 @@ from fastmesh.ops._fused_common import (
     as_matrix,
     check_pieces,
     check_reduce_op,
+    check_same_shapes,
     check_scattered_divisible,
     gathered_shape,
     group_size,
@@ -169,10 +170,12 @@ def _all_gather_scaled_matmul_kernel(
             a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a, plan.pieces, plan.split
         )
 
-    if group.size() == 1 or a_shard.numel() == 0:
+    if group.size() == 1:
         return run(plans.FIXED)
-    ext.check_same_shape_on_all_ranks(a_shard, group_name, _AG, "a_shard")  # before the ranks agree on a plan
-    ext.check_same_shape_on_all_ranks(a_scale, group_name, _AG, "a_scale")
+    # Row-wise and tensor-wise shards cannot meet in one gathered a: a_scale is compared too.
+    check_same_shapes(group_name, _AG, {"a_shard": a_shard, "a_scale": a_scale})
+    if a_shard.numel() == 0:
+        return run(plans.FIXED)
     return run(
         plans.decide(scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype), pieces, run).plan
     )
@@ -190,10 +193,12 @@ def _scaled_matmul_reduce_scatter_kernel(
             a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, plan.pieces, plan.split
         )
 
-    if group.size() == 1 or a.numel() == 0 or b.numel() == 0:
+    if group.size() == 1:
         return run(plans.FIXED)
-    product = scattered_shape(a.shape, b.shape[1], dim, group.size())  # checked before the ranks agree on a plan
-    ext.check_same_shape_on_all_ranks(a.new_empty((), dtype=out_dtype).expand(product), group_name, _RS, "a @ b")
+    product = scattered_shape(a.shape, b.shape[1], dim, group.size())
+    check_same_shapes(group_name, _RS, {"a @ b": a.new_empty((), dtype=out_dtype).expand(product)})
+    if a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
     call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, group_name, out_dtype)
     return run(plans.decide(call, pieces, run).plan)
 

@@ -32,7 +32,14 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, plans, traced_unfused
-from fastmesh.ops._fused_common import as_matrix, check_matmul_operands, check_pieces, group_size, resolve_group
+from fastmesh.ops._fused_common import (
+    as_matrix,
+    check_matmul_operands,
+    check_pieces,
+    check_same_shapes,
+    group_size,
+    resolve_group,
+)
 from fastmesh.ops._library import library, qualified_name
 
 _OP = "fastmesh::matmul_all_gather"
@@ -69,11 +76,11 @@ def _matmul_all_gather_kernel(a, b, group_name, pieces=0):
     def run(plan: plans.Plan):
         return ext.matmul_all_gather(a, b, group_name, plan.pieces, plan.split)
 
-    if world == 1 or a.numel() == 0 or b.numel() == 0:
+    if world == 1:
         return run(plans.FIXED)
-    # Before the ranks agree on a plan: ranks whose calls differ must fail here, all of them, not in the planner.
-    product = a.new_empty(()).expand(list(a.shape[:-1]) + [b.shape[1]])
-    ext.check_same_shape_on_all_ranks(product, group_name, _OP, "a @ b")
+    check_same_shapes(group_name, _OP, {"a @ b": a.new_empty(()).expand(list(a.shape[:-1]) + [b.shape[1]])})
+    if a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
     return run(plans.decide(plan_call(a, b, group_name), pieces, run).plan)
 
 

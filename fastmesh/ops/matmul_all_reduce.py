@@ -44,6 +44,7 @@ from fastmesh.ops._fused_common import (
     check_matmul_operands,
     check_pieces,
     check_reduce_op,
+    check_same_shapes,
     group_size,
     resolve_group,
     resolve_pieces,
@@ -109,10 +110,11 @@ def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
     def run(plan: plans.Plan):
         return ext.matmul_all_reduce(a, b, reduce_op, group_name, plan.pieces, plan.split)
 
-    if world == 1 or a.numel() == 0 or b.numel() == 0:
+    if world == 1:
         return run(plans.FIXED)
-    # Before the ranks agree on a plan: ranks whose calls differ must fail here, all of them, not in the planner.
-    ext.check_same_shape_on_all_ranks(a.new_empty(()).expand(_product_shape(a, b)), group_name, _OP, "a @ b")
+    check_same_shapes(group_name, _OP, {"a @ b": a.new_empty(()).expand(_product_shape(a, b))})
+    if a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
     return run(plans.decide(plan_call(a, b, group_name), pieces, run).plan)
 
 
@@ -126,10 +128,11 @@ def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_na
             a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, plan.pieces, plan.split
         )
 
-    if world == 1 or a.numel() == 0 or b.numel() == 0:
+    if world == 1:
         return run(plans.FIXED)
-    product = a.new_empty((), dtype=out_dtype).expand(_product_shape(a, b))  # checked before the plan
-    ext.check_same_shape_on_all_ranks(product, group_name, _SOP, "a @ b")
+    check_same_shapes(group_name, _SOP, {"a @ b": a.new_empty((), dtype=out_dtype).expand(_product_shape(a, b))})
+    if a.numel() == 0 or b.numel() == 0:
+        return run(plans.FIXED)
     return run(plans.decide(scaled_plan_call(a, a_scale, b, b_scale, group_name, out_dtype), pieces, run).plan)
 
 
