@@ -12,10 +12,11 @@ A row is one case (shape, dtype) of one family, as plain JSON-ready data::
      "notes": ["..."],
      "plan": {"label": "rowsx4", "source": "model", "decision": "..."}}  # fused ops only: the plan they took
 
-with SPREAD = {"median", "q1", "q3", "min", "max"}. Kinds: ``kernel`` (fastmesh), ``baseline`` (what fastmesh
-replaces), ``bound`` (the best any implementation could do, measured), ``part`` (a piece a bound is made of,
-e.g. the communication alone). Ratios are computed per round from contenders timed in the same round, then
-summarized, so a drift of the machine during the run cancels out of them.
+with SPREAD = {"median", "q1", "q3", "min", "max"}. Kinds: ``kernel`` (fastmesh), ``variant`` (the kernel with
+one option changed, e.g. the every-call shape check), ``baseline`` (what fastmesh replaces), ``bound`` (the best
+any implementation could do, measured), ``part`` (a piece a bound is made of, e.g. the communication alone).
+Ratios are computed per round from contenders timed in the same round, then summarized, so a drift of the machine
+during the run cancels out of them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 from fastmesh.bench.timing import spread
 
-KINDS = ("kernel", "baseline", "bound", "part")
+KINDS = ("kernel", "variant", "baseline", "bound", "part")
 _RATE_UNITS = {"bytes": ("GB/s", 1e9), "flops": ("GFLOP/s", 1e9)}
 
 

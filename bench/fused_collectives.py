@@ -12,6 +12,8 @@ For each op, dtype and shape, the contenders run round-robin (interleaved rounds
   c10d needs when the gathered / scattered dim is not 0 (the product's columns: always);
 * ``symm_mem`` (baseline, on two or more CUDA GPUs): PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul``
   / ``fused_matmul_reduce_scatter`` with symmetric memory enabled for the group;
+* ``checked`` (variant): the fused op with ``FASTMESH_SHAPE_CHECK=every``, the cross-rank shape check on every
+  call (by default only the first call of an op on a group checks): ``checked_over_fastmesh`` is its cost;
 * ``comm`` and ``matmul`` (parts): the collective alone and the multiplies alone, same sizes;
 * ``bound``: ``max(comm, matmul)`` per round, perfect overlap.
 
@@ -36,6 +38,8 @@ this rank's ``[K, 1024]`` columns, the products gathered along the columns (no F
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -52,6 +56,7 @@ from fastmesh.ops._collectives import all_gather_into, reduce_scatter_into
 E4M3 = torch.float8_e4m3fn
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}  # float8: out dtype
 FP8_GRANULARITIES = ("rowwise", "tensorwise")
+SHAPE_CHECK = "FASTMESH_SHAPE_CHECK"
 # assert_close (rtol, atol) for unit-scale outputs. fp32: a different blocking of the same dot products. bf16 (and
 # FP8's bf16 output): the rounding of the output (2^-8 relative).
 _TOLERANCES = {"float32": (1e-5, 1e-5), "bfloat16": (1.6e-2, 1e-2), "float8": (1.6e-2, 1e-2)}
@@ -213,8 +218,13 @@ def _fp8_columns(b, granularity):
 
 
 def _scaled_mm(a2d, a_scale, b, b_scale, out):
-    if a_scale.dim() == 0 and b_scale.dim() != 0:
+    """The baselines' scaled matmul, in its fastest form: as fastmesh's (csrc/fused/scaled.h), tensor-wise scales
+    go the row-wise way on CPU, where torch's tensor-wise CPU path can be oneDNN's reference kernel (~300x
+    slower on CPUs with AVX512-FP16)."""
+    rowwise = a_scale.dim() or b_scale.dim() or (a2d.device.type == "cpu" and rowwise_scaled_mm_on_cpu())
+    if rowwise:
         a_scale = a_scale.expand(a2d.shape[0], 1).contiguous()
+        b_scale = b_scale.expand(1, b.shape[1]).contiguous()
     return torch._scaled_mm(a2d, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out.dtype, out=out)
 
 
@@ -554,6 +564,19 @@ _KINDS = {kind.CODE: kind for kind in (_Gather, _Scatter, _AllReduce, _ProductGa
 _KIND_OF_OP = {kind.OP: kind for kind in _KINDS.values()}
 
 
+def _checked(fused):
+    """``fused()`` with the cross-rank shape check on (C++ reads the variable on every call)."""
+    previous = os.environ.get(SHAPE_CHECK)
+    os.environ[SHAPE_CHECK] = "every"
+    try:
+        return fused()
+    finally:
+        if previous is None:
+            del os.environ[SHAPE_CHECK]
+        else:
+            os.environ[SHAPE_CHECK] = previous
+
+
 def _symm_mem_note(ctx: Context, runner) -> str | None:
     """Why PyTorch's symm_mem fused op is not a contender here, or None when it is."""
     if runner.symm_mem is None:
@@ -631,7 +654,8 @@ def run(ctx: Context) -> None:
             continue
         runner = _KIND_OF_OP[spec.op](spec, dtype_name, granularity, ctx.group, ctx.device)
         runner.check(dtype_name)
-        candidates = {"fastmesh": runner.fastmesh, "unfused": runner.unfused}
+        candidates = {"fastmesh": runner.fastmesh, "checked": functools.partial(_checked, runner.fastmesh)}
+        candidates["unfused"] = runner.unfused
         symm_note = _symm_mem_note(ctx, runner)
         if symm_note is None:
             candidates["symm_mem"] = runner.symm_mem
@@ -644,6 +668,7 @@ def run(ctx: Context) -> None:
         flops = (runner.flops, "flops")
         contenders = {
             "fastmesh": Contender("kernel", timings["fastmesh"], *flops),
+            "checked": Contender("variant", timings["checked"], *flops),
             "unfused": Contender("baseline", timings["unfused"], *flops),
             **({"symm_mem": Contender("baseline", timings["symm_mem"], *flops)} if "symm_mem" in timings else {}),
             "comm": Contender("part", timings["comm"], runner.comm_bytes, "bytes"),
@@ -668,7 +693,7 @@ def run(ctx: Context) -> None:
                 "fastmesh",
                 contenders,
                 params=params,
-                extra_ratios={"comm_over_matmul": ("comm", "matmul")},
+                extra_ratios={"comm_over_matmul": ("comm", "matmul"), "checked_over_fastmesh": ("checked", "fastmesh")},
                 details=details,
                 plan=plan_taken(runner),
             )

@@ -61,7 +61,7 @@ def _figures(plt, family: str, rows: list[dict]):
             ys.append(y)
             lows.append(y - low)
             highs.append(high - y)
-        if kind in (None, "part"):
+        if kind in (None, "part", "variant"):
             continue
         marker, line = _STYLE[kind]
         ax.errorbar(xs, ys, yerr=[lows, highs], marker=marker, linestyle=line, capsize=3, label=f"{name} ({kind})")

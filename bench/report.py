@@ -8,11 +8,12 @@ import os
 from fastmesh.bench.family import plan_text
 from fastmesh.bench.machine import summary_lines
 
-_KIND_ORDER = {"kernel": 0, "baseline": 1, "part": 2, "bound": 3}
+_KIND_ORDER = {"kernel": 0, "variant": 1, "baseline": 2, "part": 3, "bound": 4}
 
 
 def contender_order(rows: list[dict]) -> list[str]:
-    """Every contender of a family's rows: kernels, baselines, parts, bounds (first appearance within a kind)."""
+    """Every contender of a family's rows: kernels, variants, baselines, parts, bounds (first appearance within a
+    kind)."""
     seen = {}
     for row in rows:
         for name, figure in row["figures"].items():

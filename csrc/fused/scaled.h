@@ -97,8 +97,6 @@ inline ScaleLayout check_scaled_operands(const at::Tensor& a, const at::Tensor& 
   return {a_rowwise, b_rowwise};
 }
 
-// (a_rows * a_scale) @ (b * b_scale) in `out_dtype`, through torch._scaled_mm, which wants both scales
-// tensor-wise or both row-wise: a tensor-wise scale beside a row-wise one is expanded.
 // _scaled_mm wants 2-D scales with the standard strides. A size-1 dim may carry any stride (a reshape in a
 // compiled graph gives 0) and contiguous() keeps it: such a tensor already counts as contiguous.
 inline at::Tensor with_standard_strides(const at::Tensor& scale) {
@@ -106,21 +104,31 @@ inline at::Tensor with_standard_strides(const at::Tensor& scale) {
   return scale.clone(at::MemoryFormat::Contiguous);
 }
 
+// (a_rows * a_scale) @ (b * b_scale) in `out_dtype`, through torch._scaled_mm, which wants both scales
+// tensor-wise or both row-wise: a tensor-wise scale beside a row-wise one is expanded.
 //
-// torch's CPU _scaled_mm applies a tensor-wise scale_a to a before the products and scale_b after them, so
-// (a * scale_a) @ b can overflow fp32 where the result is finite (activations near 1e36 by weights near 0.01:
-// tests/test_hostile_values.py). On CPU both tensor-wise scales are therefore applied after the products, as
-// one product of the two.
+// On CPU, tensor-wise scales go the row-wise way too (expanded), where torch has it (>= 2.13): torch's CPU
+// _scaled_mm hands tensor-wise FP8 to oneDNN, whose FP8 matmul on CPUs with AVX512-FP16 is its reference
+// implementation (measured: 10 s for [2048, 2048] x [2048, 32], against 0.03 s row-wise), and applies scale_a before
+// the products and scale_b after them, so that (a * scale_a) @ b can overflow where the result is finite
+// (tests/test_hostile_values.py). Row-wise, it dequantizes both operands and multiplies in fp32. Where torch has
+// no row-wise CPU form, both tensor-wise scales are applied after the products, as one product of the two.
 inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,
                             const at::Tensor& b_scale, at::ScalarType out_dtype, at::Tensor* out = nullptr) {
-  const bool rowwise = a_scale.dim() > 0 || b_scale.dim() > 0;
-  const bool cpu_tensorwise = !rowwise && a_rows.device().is_cpu();
-  const at::Tensor sa = rowwise          ? with_standard_strides(a_scale.expand({a_rows.size(0), 1}))
-                        : cpu_tensorwise ? at::ones({}, a_scale.options())
-                                         : a_scale;
-  const at::Tensor sb = rowwise          ? with_standard_strides(b_scale.expand({1, b.size(1)}))
-                        : cpu_tensorwise ? a_scale.mul(b_scale)
-                                         : b_scale;
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+  constexpr bool kRowwiseOnCpu = false;
+#else
+  constexpr bool kRowwiseOnCpu = true;
+#endif
+  const bool cpu = a_rows.device().is_cpu();
+  const bool rowwise = a_scale.dim() > 0 || b_scale.dim() > 0 || (cpu && kRowwiseOnCpu);
+  const bool scales_after = !rowwise && cpu;
+  const at::Tensor sa = rowwise        ? with_standard_strides(a_scale.expand({a_rows.size(0), 1}))
+                        : scales_after ? at::ones({}, a_scale.options())
+                                       : a_scale;
+  const at::Tensor sb = rowwise        ? with_standard_strides(b_scale.expand({1, b.size(1)}))
+                        : scales_after ? a_scale.mul(b_scale)
+                                       : b_scale;
   if (out) return at::_scaled_mm_out(*out, a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
   return at::_scaled_mm(a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
 }
