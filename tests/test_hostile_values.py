@@ -26,10 +26,10 @@ import torch.distributed as dist
 from fastmesh.kernels import fp8_reference as ref
 from fastmesh.kernels import fused_reference
 from rank_pool import on_ranks
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from tp_models import LinearPair
 
 import fastmesh
 from fastmesh.parallel import FusedColwiseParallel, FusedRowwiseParallel
@@ -501,18 +501,6 @@ def test_fp8_tensorwise_keeps_results_near_the_top_of_fp32_finite():
 
 
 # ---- the TP styles ----
-
-
-class LinearPair(nn.Module):
-    """colwise -> relu -> rowwise, with biases."""
-
-    def __init__(self, d: int, hidden: int, dtype):
-        super().__init__()
-        self.up = nn.Linear(d, hidden, dtype=dtype)
-        self.down = nn.Linear(hidden, d, dtype=dtype)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
 
 
 def _shard(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from tp_models import LinearPair
 
 from fastmesh.fp8 import Float8Config
 from fastmesh.parallel import FusedColwiseParallel, FusedRowwiseParallel
@@ -123,20 +124,8 @@ def test_llama_block_matches_native_plan_and_unsharded(world_size):
 # ---- small integers: bit-exact ----
 
 
-class _LinearPair(nn.Module):
-    """colwise -> relu -> rowwise, with biases: the simplest TP MLP."""
-
-    def __init__(self, d: int, hidden: int, dtype):
-        super().__init__()
-        self.up = nn.Linear(d, hidden, dtype=dtype)
-        self.down = nn.Linear(hidden, d, dtype=dtype)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
 def _integer_pair(d, hidden, dtype, seed):
-    pair = _LinearPair(d, hidden, dtype)
+    pair = LinearPair(d, hidden, dtype)
     with torch.no_grad():
         for i, p in enumerate(pair.parameters()):
             p.copy_(_small_ints(p.shape, seed + i, -1, 2, dtype))
@@ -453,7 +442,7 @@ def test_bias_gradients_reach_every_rank():
     columns' gradient."""
     mesh = _tp_mesh()
     torch.manual_seed(0)
-    unsharded = _LinearPair(8, 6, torch.float64)
+    unsharded = LinearPair(8, 6, torch.float64)
     x = _randn((2, 4, 8), seed=4, dtype=torch.float64)
     grad_out = _randn((2, 4, 8), seed=5, dtype=torch.float64)
     (unsharded(x) * grad_out).sum().backward()
