@@ -6,6 +6,11 @@
 * ``eager``: the same math in ordinary torch ops, its result written into a preallocated FP8 tensor;
 * ``compile``: that function under ``torch.compile`` (inductor's fused C++ on CPU, Triton on GPU);
 * ``torchao``: torchao's dynamic float8 cast (tensor-wise and row-wise, when torchao is installed);
+
+and for the MX cast (``granularity="mx"``, e4m3, FLOOR and RCEIL scales): ``eager``/``compile`` the MX rules in
+torch ops (``eager_mx``), ``torchao`` and ``torchao_compile`` torchao's ``to_mx`` eager and under
+``torch.compile``. The FP8 data and E8M0 scales of every baseline are checked against fastmesh's (torchao's
+RCEIL away from its fp32 ``log2`` rounding, ``torchao_baselines.mx_cast``).
 * ``copy`` (part): ``y.copy_(x)`` into a preallocated tensor of x's dtype, measured in the same run; ``bound``: the
   kernel's bytes at the copy's bandwidth (the copy's time x kernel bytes / copy bytes, per round).
 
@@ -28,6 +33,7 @@ from fastmesh.bench.family import Context, Family
 from fastmesh.bench.figures import Case, Contender
 from fastmesh.bench.timing import time_interleaved
 from fastmesh.kernels import fp8_reference as ref
+from fastmesh.kernels import mx_reference as mx_ref
 
 import fastmesh
 
@@ -72,6 +78,28 @@ def eager_quantize(x, granularity, out, scale=None):
     return out
 
 
+def eager_mx(x, rounding, out):
+    """The MX cast of a [M, K] x (32 | K) in plain torch ops, the data written into ``out``; returns (data, E8M0
+    scale bytes). The rules of ``kernels/mx_reference.py`` on the fp32 bits, for e4m3 (emax 8, max 448)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1)
+    if rounding == "floor":
+        e = (((amax.view(torch.int32) >> 23) & 0xFF) - 127 - 8).clamp(-127, 128)
+        bits = torch.where(amax.isnan(), 255, e + 127)
+        q = torch.where(bits == 0, 2.0**126, ((254 - bits).clamp(min=1) << 23).view(torch.float32))
+        q = torch.where(bits >= 254, torch.where(bits == 254, 2.0**-127, 0.0), q)
+    else:
+        d = (amax / 448.0).view(torch.int32)
+        field, mantissa = d >> 23, d & 0x7FFFFF
+        e = torch.where(field != 0, field - 127 + (mantissa != 0).int(), torch.where(mantissa > 2**22, -126, -127))
+        bits = torch.where(amax.isnan(), 255, torch.where(field == 255, 254, e.clamp(-127, 127) + 127)).int()
+        q = torch.where(bits == 0, 1.0, ((254 - bits).clamp(min=1) << 23).view(torch.float32))
+        q = torch.where(bits >= 254, torch.where(bits == 254, 2.0**-127, torch.nan), q)
+    out.view(m, k // 32, 32).copy_((blocks * q.unsqueeze(-1)).clamp(-448.0, 448.0))
+    return out, bits.to(torch.uint8)
+
+
 def _random_input(rows, cols, dtype, device):
     # Normal values, never zeros: a skipped block would be caught by the checks.
     generator = torch.Generator().manual_seed(rows * 31 + cols)
@@ -109,11 +137,16 @@ def _sizes_and_dtypes(ctx: Context):
 def run_quantize(ctx: Context) -> None:
     sizes, dtypes = _sizes_and_dtypes(ctx)
     granularities = [(g, None) for g in ref.GRANULARITIES] + [("tensorwise", "given")]
-    ctx.expect(len(sizes) * len(dtypes) * len(granularities))
+    ctx.expect(len(sizes) * len(dtypes) * (len(granularities) + 2))
     compiled = torch.compile(eager_quantize, dynamic=False)
+    compiled_mx = torch.compile(eager_mx, dynamic=False)
     ao_ok, ao_status = torchao_baselines.status()
     if not ao_ok:
         ctx.note(f"torchao baseline not run: {ao_status}")
+    ao_mx_ok, ao_mx_status = torchao_baselines.mx_status()
+    if not ao_mx_ok:
+        ctx.note(f"torchao MX baselines not run: {ao_mx_status}")
+    compiled_ao = torch.compile(torchao_baselines.mx_cast, dynamic=False) if ao_mx_ok else None
     for rows, cols in sizes:
         for dtype_name in dtypes:
             _fresh_compiles()
@@ -160,6 +193,67 @@ def run_quantize(ctx: Context) -> None:
                         params={"rows": rows, "cols": cols, "granularity": granularity, "scale": mode or "current"},
                     )
                 )
+            for rounding in ("floor", "rceil"):
+                _run_mx(ctx, x, rounding, compiled_mx, compiled_ao if ao_mx_ok else None, fp8_out, copy_out)
+
+
+def _check_mx_baseline(name, data, scale_bits, want, rceil_quirks=None):
+    """``name``'s MX data and scale bytes equal fastmesh's, but in the blocks of ``rceil_quirks`` (a bool per block)."""
+    blocks = want.scale.shape
+    same = (scale_bits.view(torch.uint8) == want.scale.view(torch.uint8)) & ref.fp8_bits_equal(data, want.data).view(
+        *blocks, 32
+    ).all(-1)
+    if rceil_quirks is not None:
+        same |= rceil_quirks
+    if not bool(same.all()):
+        differ = int((~same).sum())
+        raise AssertionError(f"{name} disagrees with fastmesh's MX cast in {differ} of {same.numel()} blocks")
+
+
+def _run_mx(ctx: Context, x, rounding, compiled_mx, compiled_ao, fp8_out, copy_out) -> None:
+    rows, cols = x.shape
+    want = fastmesh.fp8.quantize(x, dtype=E4M3, granularity="mx", scale_rounding=rounding)
+    reference = mx_ref.quantize_mx(x.cpu(), E4M3, rounding)
+    _check_mx_baseline("fastmesh", want.data.cpu(), want.scale.cpu(), reference)
+    candidates = {
+        "fastmesh": lambda: fastmesh.fp8.quantize(x, dtype=E4M3, granularity="mx", scale_rounding=rounding),
+        "eager": lambda: eager_mx(x, rounding, fp8_out),
+        "compile": lambda: compiled_mx(x, rounding, fp8_out),
+    }
+    if compiled_ao is not None:
+        candidates["torchao"] = lambda: torchao_baselines.mx_cast(x, rounding)
+        candidates["torchao_compile"] = lambda: compiled_ao(x, rounding)
+    candidates["copy"] = lambda: copy_out.copy_(x)
+    # torchao's eager RCEIL rounds ceil(log2()) in fp32 (torchao_baselines.mx_cast); its compiled form may not.
+    descale = want.amax / 448.0
+    log2 = torch.log2(descale)
+    quirks = (log2 == log2.round()) & ((descale.view(torch.int32) & 0x7FFFFF) != 0) if rounding == "rceil" else None
+    for name in [n for n in candidates if n not in ("fastmesh", "copy")]:
+        _check_mx_baseline(name, *candidates[name](), want, None if name in ("eager", "compile") else quirks)
+    time_interleaved(candidates, ctx.warmup, ctx.clock)
+    timings = time_interleaved(candidates, ctx.repeats, ctx.clock, settle=True)
+    in_bytes = x.numel() * x.element_size()
+    moved = in_bytes + x.numel() + x.numel() // 32  # read x, write the FP8 data and the scales
+    contenders = {
+        name: Contender(
+            {"fastmesh": "kernel", "copy": "part"}.get(name, "baseline"),
+            seconds,
+            2 * in_bytes if name == "copy" else moved,
+            "bytes",
+        )
+        for name, seconds in timings.items()
+    }
+    contenders["bound"] = Contender("bound", [t * moved / (2 * in_bytes) for t in timings["copy"]], moved, "bytes")
+    ctx.emit(
+        Case(
+            "fp8_quantize",
+            f"mx {rounding} [{rows}, {cols}]",
+            str(x.dtype).removeprefix("torch."),
+            "fastmesh",
+            contenders,
+            params={"rows": rows, "cols": cols, "granularity": "mx", "scale_rounding": rounding},
+        )
+    )
 
 
 def run_amax(ctx: Context) -> None:

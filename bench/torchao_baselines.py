@@ -4,6 +4,10 @@
   Its data equals fastmesh's bit for bit; torchao keeps the multiplier ``fp8_max / amax``, returned here as
   its reciprocal, fastmesh's dequantization scale (also bit for bit, except for an all-zero group, where
   torchao divides by ``amax`` clamped to 1e-12 and fastmesh uses a multiplier of 1).
+* :func:`mx_cast`: torchao's MX cast (``to_mx``, blocks of 32, FLOOR or RCEIL scales), against
+  ``fastmesh.fp8.quantize(granularity="mx")``: bit for bit, except that torchao's eager RCEIL takes
+  ``ceil(log2())`` in fp32, which rounds a quotient within a few ulps above a power of two down to it (a scale
+  half fastmesh's, exact rule's: ``tests/test_mx.py``).
 * :func:`convert` and :func:`block_plan`: torchao's float8 tensor parallelism for
   ``fastmesh.testing.llama.Block`` (the tensor-wise recipe, as torchtitan uses it), against fastmesh's fused
   FP8 plan. It casts activations to float8 before the all-gathers, and the gradients before the backward
@@ -80,6 +84,32 @@ def quantize(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Ten
         axiswise_dim=-1 if rowwise else None,
     )
     return cast._data, cast._scale.reciprocal()
+
+
+def mx_status() -> tuple[bool, str]:
+    """``(True, "torchao X.Y.Z")`` when torchao's MX cast imports, else ``(False, why)``."""
+    try:
+        _mx_api()
+    except Exception as error:  # as in status(): any import failure
+        return False, f"torchao's MX cast does not import ({type(error).__name__}: {error}); {_INSTALL_HINT}"
+    import torchao
+
+    return True, f"torchao {torchao.__version__}"
+
+
+def _mx_api():
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    return to_mx, {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}
+
+
+@torch.no_grad()
+def mx_cast(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's MX cast of ``x`` to e4m3 (blocks of 32 along the last dim): ``(data, scale)``, scale E8M0."""
+    to_mx, modes = _mx_api()
+    scale, data = to_mx(x, torch.float8_e4m3fn, 32, modes[rounding])
+    return data, scale
 
 
 def convert(block: torch.nn.Module) -> torch.nn.Module:

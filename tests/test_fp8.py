@@ -338,7 +338,7 @@ def test_amax_group_gives_unsharded_scales():
 def test_registered_schemas_are_the_one_homes():
     from fastmesh.ops import _library
 
-    for op in ("fp8_quantize", "fp8_quantize_native", "amax"):
+    for op in ("fp8_quantize", "fp8_quantize_native", "amax", "mx_quantize", "mx_quantize_native"):
         registered = str(getattr(torch.ops.fastmesh, op).default._schema)
         assert registered == f"fastmesh::{op}{_library.signature(op)}", registered
 

@@ -25,8 +25,11 @@ FASTMESH_ALWAYS_INLINE void max_magnitude_blocks_impl(Panel<const Bits> x, int64
     for (int64_t b = 0; b < blocks; ++b) {
       const Bits* in = x.row(r) + b * block;
       const int64_t n = std::min(block, x.cols - b * block);
-      // A constant trip count for full 128-wide blocks: a straight vector loop without remainder code.
-      out[r * blocks + b] = n == kFp8Block ? max_magnitude(in, kFp8Block) : max_magnitude(in, n);
+      // A constant trip count for full 128-wide (and MX's 32-wide) blocks: straight vector loops without
+      // remainder code.
+      out[r * blocks + b] = n == kFp8Block  ? max_magnitude(in, kFp8Block)
+                            : n == kMxBlock ? max_magnitude(in, kMxBlock)
+                                            : max_magnitude(in, n);
     }
   }
 }

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cast_loops.h"
 #include "fastmesh/fp8_checks.h"
 #include "fastmesh/fp8_math.h"
 #include "magnitude.h"
@@ -44,9 +45,8 @@ constexpr int64_t kBatchBytes = 16 * 1024;
 constexpr int64_t kFlatSpan = 8 * 1024;
 // Columns of a region (block128x128, transpose): 128 rows of 1024 columns stay in L2 between passes.
 constexpr int64_t kRegionCols = 8 * kFp8Block;
-// Elements cast between two rounds of prefetching (see quantize_overlapped); a multiple of kFp8Block.
-constexpr int64_t kSliceElements = 1024;
-constexpr int64_t kCacheLine = 64;
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------------
 // Element loops. The cast is branch-free integer/fp32 code, so these vectorize; each is compiled per
@@ -68,9 +68,12 @@ FASTMESH_ALWAYS_INLINE void quantize_panel_impl(Panel<const scalar_t> x, int64_t
       const int64_t col0 = b * block, n = std::min(block, x.cols - col0);
       const scalar_t* in = x.row(r) + col0;
       uint8_t* row_out = out.row(r) + col0;
-      // A constant trip count for full 128-wide blocks: a straight vector loop without remainder code.
+      // A constant trip count for full 128-wide (and MX's 32-wide) blocks: straight vector loops without
+      // remainder code.
       if (n == kFp8Block) {
         quantize_run<scalar_t, kFormat>(in, kFp8Block, q[r * q_stride + b], row_out);
+      } else if (n == kMxBlock) {
+        quantize_run<scalar_t, kFormat>(in, kMxBlock, q[r * q_stride + b], row_out);
       } else {
         quantize_run<scalar_t, kFormat>(in, n, q[r * q_stride + b], row_out);
       }
@@ -88,11 +91,6 @@ FASTMESH_ALWAYS_INLINE void quantize_columns_impl(Panel<const scalar_t> x, const
   }
 }
 
-template <Fp8Format kFormat>
-using FormatTag = std::integral_constant<Fp8Format, kFormat>;
-using E4M3 = FormatTag<Fp8Format::kE4M3FN>;
-using E5M2 = FormatTag<Fp8Format::kE5M2>;
-
 #define FASTMESH_DEFINE_QUANTIZE_LOOPS(scalar_t, Tag)                                                               \
   FASTMESH_CPU_CLONES void quantize_panel(Panel<const scalar_t> x, int64_t block, const float* q, int64_t q_stride, \
                                           Panel<uint8_t> out, Tag) {                                                \
@@ -108,6 +106,8 @@ FASTMESH_DEFINE_QUANTIZE_LOOPS(c10::BFloat16, E5M2)
 FASTMESH_DEFINE_QUANTIZE_LOOPS(c10::Half, E4M3)
 FASTMESH_DEFINE_QUANTIZE_LOOPS(c10::Half, E5M2)
 #undef FASTMESH_DEFINE_QUANTIZE_LOOPS
+
+namespace {
 
 // q[i] for n groups: 1 / given_scale[i] if given_scale, else from amax[i] (quant_scale_from_amax).
 FASTMESH_CPU_CLONES void group_multipliers(const float* given_scale, const float* amax, int64_t n, float max_value,
@@ -196,39 +196,6 @@ FASTMESH_CPU_CLONES void transpose_tile(Panel<const uint8_t> src, uint8_t* dst, 
 
 // ---------------------------------------------------------------------------------------------------
 // Scales and the passes.
-
-template <typename T>
-void prefetch_panel(Panel<const T> x) {
-  for (int64_t r = 0; r < x.rows; ++r) {
-    const char* begin = reinterpret_cast<const char*>(x.row(r));
-    const char* end = begin + x.cols * static_cast<int64_t>(sizeof(T));
-    for (const char* line = begin; line < end; line += kCacheLine) __builtin_prefetch(line);
-  }
-}
-
-// quantize_panel(x, ...) slice by slice, each slice preceded by a prefetch of the same slice of `next`
-// (clipped to its extent), the panel whose amax the caller computes next. The amax of a group must be
-// known before its cast, so a pass alternates a memory-bound amax with a compute-bound cast; the
-// hardware prefetchers stop when the reads stop, so without this the next panel's memory reads would
-// not overlap the current cast. Slices start at multiples of kSliceElements columns, which `block` and
-// q's layout must allow (block a multiple of it or not smaller than x.cols).
-template <typename scalar_t, typename Tag>
-void quantize_overlapped(Panel<const scalar_t> x, int64_t block, const float* q, int64_t q_stride, Panel<uint8_t> out,
-                         Panel<const scalar_t> next) {
-  const int64_t slice_cols = std::min(x.cols, kSliceElements);
-  const int64_t slice_rows = std::max<int64_t>(1, kSliceElements / x.cols);
-  for (int64_t r = 0; r < x.rows; r += slice_rows) {
-    const int64_t rows = std::min(slice_rows, x.rows - r);
-    for (int64_t c = 0; c < x.cols; c += slice_cols) {
-      const int64_t cols = std::min(slice_cols, x.cols - c);
-      if (r < next.rows && c < next.cols) {
-        prefetch_panel(next.sub(r, c, std::min(rows, next.rows - r), std::min(cols, next.cols - c)));
-      }
-      quantize_panel(x.sub(r, c, rows, cols), block, q + r * q_stride + c / block, q_stride, out.sub(r, c, rows, cols),
-                     Tag{});
-    }
-  }
-}
 
 // Where the multiplier q of a group comes from: (c) a given dequantization scale, else (a, b) an amax:
 // the given one, or the op's amax output once a pass has filled it.

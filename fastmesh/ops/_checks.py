@@ -17,6 +17,10 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # the larges
 REDUCE_OPS = ("sum", "avg")
 GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128")
 BLOCK = 128
+# MXFP8 (fastmesh/ops/mx_quantize.py): blocks of MX_BLOCK along the last dim, E8M0 scales, rounded per SCALE_ROUNDINGS.
+MX = "mx"
+MX_BLOCK = 32
+SCALE_ROUNDINGS = ("floor", "rceil")
 # Fewest dims of x each granularity is defined for.
 _MIN_DIMS = {"tensorwise": 0, "rowwise": 1, "block1x128": 1, "block128x128": 2}
 

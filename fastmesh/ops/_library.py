@@ -19,6 +19,8 @@ _QUANTIZE_ARGUMENTS = (
     "bool power_of_two=False)"
 )
 
+_MX_ARGUMENTS = '(Tensor x, ScalarType dtype, str scale_rounding="floor", bool transpose=False)'
+
 # name -> signature (without the name)
 _SIGNATURES = {
     "amax": '(Tensor x, str granularity="tensorwise") -> Tensor',
@@ -28,6 +30,10 @@ _SIGNATURES = {
     # optional returns: data_t and scale_t are empty tensors unless transpose=True.)
     "fp8_quantize": _QUANTIZE_ARGUMENTS + " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "fp8_quantize_native": _QUANTIZE_ARGUMENTS
+    + " -> (Tensor data, Tensor scale, Tensor amax, Tensor? data_t, Tensor? scale_t)",
+    # MXFP8 cast (fastmesh/ops/mx_quantize.py): the triton_op users call and the C++/CUDA kernels, as above.
+    "mx_quantize": _MX_ARGUMENTS + " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "mx_quantize_native": _MX_ARGUMENTS
     + " -> (Tensor data, Tensor scale, Tensor amax, Tensor? data_t, Tensor? scale_t)",
     # Fused collectives (fastmesh/ops/fused_collectives.py). pieces: pipeline pieces of rows, 0 = the call's plan
     # (fastmesh/ops/plans.py).
@@ -51,7 +57,7 @@ _SIGNATURES = {
 }
 
 # Created by torch.library.triton_op in their op module, with the signature above.
-_TRITON_OPS = {"fp8_quantize"}
+_TRITON_OPS = {"fp8_quantize", "mx_quantize"}
 
 library = torch.library.Library(NAMESPACE, "FRAGMENT")
 for _name, _signature in _SIGNATURES.items():

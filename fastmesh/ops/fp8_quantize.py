@@ -38,6 +38,7 @@ from fastmesh.mesh import group_name
 from fastmesh.ops import _collectives
 from fastmesh.ops._checks import (
     FLOAT_INPUTS,
+    MX,
     check_fp8_dtype,
     check_granularity,
     check_per_group_tensor,
@@ -46,6 +47,7 @@ from fastmesh.ops._checks import (
 )
 from fastmesh.ops._library import qualified_name, signature
 from fastmesh.ops.amax import amax as group_amax
+from fastmesh.ops.mx_quantize import mx_quantize
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +196,7 @@ def quantize(
     transpose: bool = False,
     amax_group=None,
     power_of_two: bool = False,
+    scale_rounding: str | None = None,
 ) -> Float8Quantized:
     """Quantize ``x`` to FP8 with a fused cast-and-scale kernel (``fastmesh.fp8.quantize``).
 
@@ -204,8 +207,9 @@ def quantize(
     Keyword Args:
         dtype: ``torch.float8_e4m3fn`` (saturates at +-448) or ``torch.float8_e5m2`` (saturates at
             +-57344, unlike ``x.to(torch.float8_e5m2)``).
-        granularity: ``"tensorwise"``, ``"rowwise"`` (over the last dim), ``"block1x128"`` or
-            ``"block128x128"``.
+        granularity: ``"tensorwise"``, ``"rowwise"`` (over the last dim), ``"block1x128"``, ``"block128x128"``
+            or ``"mx"`` (MXFP8: blocks of 32 along the last dim, which 32 must divide, with power-of-two E8M0
+            scales ``[..., K/32]``: :mod:`fastmesh.ops.mx_quantize`).
         scale: a given dequantization scale in the scale layout (delayed scaling); ``x`` is multiplied by
             its fp32 reciprocal. ``None`` computes the scale from this tensor's amax (current scaling).
         transpose: also return ``data_t``/``scale_t``, the same quantization of ``x`` (as ``[M, K]``)
@@ -215,20 +219,33 @@ def quantize(
             scale of the whole tensor; one small all-reduce of the amax, never of the data. Tensorwise and
             rowwise (a tensor sharded along its last dim) only.
         power_of_two: round computed scales down to powers of two (exact to invert).
+        scale_rounding: ``"mx"`` only: ``"floor"`` (the default, the OCP spec's rule) or ``"rceil"``.
 
     Returns:
         :class:`Float8Quantized` ``(data, scale, amax, data_t, scale_t)``: ``x ~= data.float() * scale``;
         ``amax`` is the per-group amax (over the group when ``amax_group`` is given); the last two are
-        ``None`` unless ``transpose``. Not differentiable.
+        ``None`` unless ``transpose``. Not differentiable. With ``"mx"`` the scale is E8M0 (one per block of
+        32): ``x ~= (data.float().unflatten(-1, (-1, 32)) * scale.float().unsqueeze(-1)).flatten(-2)``, and
+        ``transpose`` casts the columns (blocks of 32 rows, which 32 must divide).
 
     Example::
 
         >>> qx = fastmesh.fp8.quantize(x, dtype=torch.float8_e4m3fn, granularity="rowwise")
         >>> y = torch._scaled_mm(qx.data, qw.data.t(), qx.scale, qw.scale.t(), out_dtype=torch.bfloat16)
     """
+    op = "fastmesh.fp8.quantize"
+    if granularity == MX:
+        given = {"scale": scale is not None, "amax_group": amax_group is not None, "power_of_two": power_of_two}
+        for arg in (arg for arg, is_given in given.items() if is_given):
+            raise ValueError(
+                f"{op}: {arg}= does not apply to granularity 'mx' (its scales are powers of two from each block's "
+                "own amax)"
+            )
+        return Float8Quantized(*mx_quantize(x, dtype, scale_rounding or "floor", transpose))
+    if scale_rounding is not None:
+        raise ValueError(f"{op}: scale_rounding applies to granularity 'mx', got granularity {granularity!r}")
     if amax_group is None:
         return fp8_quantize(x, dtype, granularity, scale, None, transpose, power_of_two)
-    op = "fastmesh.fp8.quantize"
     if scale is not None:
         raise ValueError(f"{op}: amax_group forms the scale from a reduced amax; it cannot be combined with scale=")
     if granularity not in ("tensorwise", "rowwise"):

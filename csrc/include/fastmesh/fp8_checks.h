@@ -12,6 +12,7 @@
 
 #include "fastmesh/checks.h"
 #include "fastmesh/fp8_layout.h"
+#include "fastmesh/mx_math.h"
 
 namespace fastmesh {
 
@@ -64,6 +65,34 @@ inline QuantizeCall check_quantize_args(const at::Tensor& x, at::ScalarType dtyp
         std::string(granularity), "'");
   }
   return call;
+}
+
+// What a validated mx_quantize call asks for: x as [m, k], k (and with transpose m) a multiple of 32.
+struct MxCall {
+  Fp8Format format;
+  MxRounding rounding;
+  Rows rows;
+};
+
+inline MxCall check_mx_args(const at::Tensor& x, at::ScalarType dtype, c10::string_view rounding, bool transpose,
+                            const char* op) {
+  check_tensor(x, op, "x", kFloatInputs);
+  const Fp8Format format = parse_fp8_format(dtype);
+  TORCH_CHECK_VALUE(rounding == "floor" || rounding == "rceil", op,
+                    ": scale_rounding must be 'floor' or 'rceil', got '", std::string(rounding), "'");
+  TORCH_CHECK_VALUE(x.dim() >= 1, op, ": granularity 'mx' needs x with at least 1 dim(s), got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(-1) % kMxBlock == 0, op, ": granularity 'mx' needs x's last dim to be a multiple of ",
+                    kMxBlock, " (one scale per ", kMxBlock, " elements), got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.is_contiguous(), op, ": x must be contiguous, got strides ", x.strides());
+  const Rows rows = as_rows(x);
+  if (transpose) {
+    TORCH_CHECK_VALUE(x.dim() >= 2, op, ": transpose=True needs x with at least 2 dims, got shape ", x.sizes());
+    TORCH_CHECK_VALUE(rows.m % kMxBlock == 0, op,
+                      ": transpose=True with granularity 'mx' needs x's rows (the product of ",
+                      "every dim but the last, ", rows.m, ") to be a multiple of ", kMxBlock,
+                      " (the columns are cast in blocks of ", kMxBlock, " rows), got shape ", x.sizes());
+  }
+  return {format, rounding == "floor" ? MxRounding::kFloor : MxRounding::kRceil, rows};
 }
 
 }  // namespace fastmesh
