@@ -15,10 +15,12 @@
 #   all-reduce bench/gpu_check_matmul_all_reduce.py (matmul_all_reduce and its FP8 form on CUDA tensors, 2 ranks:
 #              NCCL with two GPUs, gloo on one; bit-exact against mm + all_reduce, autograd, fp8=; speed)
 #   tests      pytest tests/test_chunked_matmul.py tests/test_chunked_gather.py tests/test_fp8_triton.py
-#              tests/test_matmul_all_reduce.py tests/test_matmul_all_gather.py tests/test_fused_collectives_fp8.py
-#              tests/test_faults.py (their CUDA tests run on a GPU: the consumer GEMM's waits, the fused all-gather's
-#              loopback path; the multi-rank tests run over NCCL with a GPU per rank, else on gloo; the last two
-#              check the FP8 scaled multiply and the transfers' timeouts on the GPU machine's torch, 2.11)
+#              tests/test_mx.py tests/test_mx_triton.py tests/test_matmul_all_reduce.py tests/test_matmul_all_gather.py
+#              tests/test_fused_collectives_fp8.py tests/test_faults.py (their CUDA tests run on a GPU: the consumer
+#              GEMM's waits, the fused all-gather's loopback path; the multi-rank tests run over NCCL with a GPU per
+#              rank, else on gloo; the MX tests run the MX cast's CPU kernel and its Triton kernel, interpreted and
+#              compiled for sm_90, on the GPU machine's torch and triton; the last two check the FP8 scaled
+#              multiply and the transfers' timeouts on the GPU machine's torch, 2.11)
 #   bench      fastmesh bench --device cuda --quick --dtype bfloat16 (table, OUT_DIR/bench/bench.json; the
 #              fused ops' quick cases, "ar:" and "mg:" among them; its distributed families need two or
 #              more GPUs and say so on one; at most 4 minutes)
@@ -57,6 +59,7 @@ step fp8-triton "$PY" bench/gpu_check_fp8.py --impl triton $QUICK_FLAG
 step chunked "$PY" bench/gpu_check_chunked_matmul.py $QUICK_FLAG --json "$OUT_DIR/chunked_matmul.json"
 step all-reduce "$PY" bench/gpu_check_matmul_all_reduce.py $QUICK_FLAG --json "$OUT_DIR/matmul_all_reduce.json"
 step tests "$PY" -m pytest -q -rfEs tests/test_chunked_matmul.py tests/test_chunked_gather.py tests/test_fp8_triton.py \
-  tests/test_matmul_all_reduce.py tests/test_matmul_all_gather.py tests/test_fused_collectives_fp8.py tests/test_faults.py
+  tests/test_mx.py tests/test_mx_triton.py tests/test_matmul_all_reduce.py tests/test_matmul_all_gather.py \
+  tests/test_fused_collectives_fp8.py tests/test_faults.py
 step bench timeout 240 "$PY" -m fastmesh.bench.runner --device cuda --quick --dtype bfloat16 --out "$OUT_DIR/bench"
 exit $failed

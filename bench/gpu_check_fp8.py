@@ -1,4 +1,4 @@
-"""GPU check of the CUDA FP8 kernels: correctness against the plain-PyTorch reference, then bandwidth.
+"""GPU check of the CUDA FP8 kernels and the MX cast: correctness against the plain-PyTorch references, then bandwidth.
 
 Standalone, for a machine with an NVIDIA GPU (torch 2.11+ with CUDA; fastmesh built with its CUDA sources):
 
@@ -17,14 +17,19 @@ Standalone, for a machine with an NVIDIA GPU (torch 2.11+ with CUDA; fastmesh bu
    values (+-0, +-inf, NaN, fp32/bf16 subnormals, all-zero and tiny-amax groups, FP8 rounding ties and
    their neighbours, values past the FP8 maximum). Every call runs twice, each time on output memory
    poisoned with a different byte, and must be bit-identical (NaN: any NaN) to the reference both times,
-   so an element the kernel forgot to write cannot pass.
-2. Bandwidth. 8192 x 8192 bfloat16 per granularity (and with transpose), timed with CUDA events (median
-   of many runs), in GB/s of logical bytes (x read once + every output written once), against a
-   device-to-device copy of x measured in the same run (bytes read + written). Target: >= 85% of copy.
+   so an element the kernel forgot to write cannot pass. The MX cast the same way:
+   ``torch.ops.fastmesh.mx_quantize_native`` (``--impl triton``: ``fastmesh::mx_quantize`` running its Triton
+   kernel) against ``kernels/mx_reference.py``, both roundings, with and without transpose, on shapes 32
+   divides, the data above plus blocks whose amax sits at and one ulp around the rules' powers of two.
+2. Bandwidth. 8192 x 8192 bfloat16 per granularity (and with transpose), and the MX cast per rounding (and
+   with transpose), timed with CUDA events (median of many runs), in GB/s of logical bytes (x read once +
+   every output written once), against a device-to-device copy of x measured in the same run (bytes read +
+   written). Target: >= 85% of copy.
 
 Exit status: 0 all checks pass; 1 a kernel disagrees with the reference (or raised); 2 setup failed;
 3 the kernels agree, but only with a corrected reference (see ``reference_self_check`` / ``expected_quantize``);
-4 no disagreement, but the checks ran out of time (--check-seconds) before the end.
+4 no disagreement, but the checks ran out of time (--check-seconds) before the end, or the MX reference
+did not load (``--library`` without an importable fastmesh).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+E8M0 = torch.float8_e8m0fnu
+MX_ROUNDINGS = ("floor", "rceil")
 FP8_DTYPES = (E4M3, E5M2)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128")
@@ -88,6 +95,16 @@ def load_reference() -> types.ModuleType:
         return fp8_reference
     except ImportError:
         return _load_file("fp8_reference", os.path.join(ROOT, "kernels", "fp8_reference.py"))
+
+
+def load_mx_reference() -> types.ModuleType | str:
+    """kernels/mx_reference.py, or why it cannot load (it imports fastmesh.kernels.fp8_reference)."""
+    try:
+        from fastmesh.kernels import mx_reference
+
+        return mx_reference
+    except ImportError as error:
+        return f"{type(error).__name__}: {error}"
 
 
 def reference_self_check(ref: types.ModuleType) -> bool:
@@ -219,6 +236,9 @@ def compare(name: str, actual, expected, ref) -> str | None:
         return None
     if expected.dtype in FP8_DTYPES:
         equal = ref.fp8_bits_equal(actual, expected)
+        fmt = lambda t, i: f"0x{int(t.reshape(-1).view(torch.uint8)[i]):02x}"  # noqa: E731
+    elif expected.dtype == E8M0:
+        equal = actual.view(torch.uint8) == expected.view(torch.uint8)
         fmt = lambda t, i: f"0x{int(t.reshape(-1).view(torch.uint8)[i]):02x}"  # noqa: E731
     else:
         equal = same_f32_bits(actual, expected)
@@ -534,6 +554,135 @@ def check_rejections(failures: list) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The MX cast (fastmesh::mx_quantize)
+# ----------------------------------------------------------------------------------------------------
+
+
+def mx_shapes_for(quick: bool):
+    # (shape, unaligned storage): 32 divides the last dim; odd row counts; rows and columns past a tile.
+    shapes = [
+        ((0, 32), False),
+        ((7, 0), False),
+        ((32,), False),
+        ((1, 32), False),
+        ((3, 96), False),
+        ((33, 160), False),
+        ((64, 32), False),
+        ((2, 5, 64), False),
+        ((2, 16, 64), False),
+        ((96, 160), False),
+        ((130, 288), False),
+        ((1024, 1056), False),
+        ((160, 4096), False),
+        ((40, 320), True),
+        ((96, 256), True),
+    ]
+    if quick:
+        keep = {(7, 0), (32,), (3, 96), (33, 160), (2, 16, 64), (96, 160), (130, 288), (1024, 1056)}
+        shapes = [(s, o) for s, o in shapes if s in keep or o]
+    return shapes
+
+
+def mx_edges(shape, in_dtype, fp8_dtype, gen: torch.Generator) -> torch.Tensor:
+    """Blocks of 32 whose amax is a power of two 2^e, fp8_max * 2^e or one input ulp either side of them (where
+    the rules' exponents step), the rest of each block random below it; random signs."""
+    numel = math.prod(shape)
+    finfo = torch.finfo(in_dtype)
+    smallest = finfo.smallest_normal * finfo.eps
+    exponents = torch.arange(math.floor(math.log2(smallest)), math.floor(math.log2(finfo.max)) + 1).double()
+    fp8_max = 448.0 if fp8_dtype == E4M3 else 57344.0
+    bases = torch.cat([torch.exp2(exponents), fp8_max * torch.exp2(exponents)])
+    bases = bases[(bases >= smallest) & (bases <= finfo.max)].to(in_dtype)
+    edges = torch.cat([bases, next_toward(bases, 1), next_toward(bases, -1)])
+    edges = edges[torch.isfinite(edges.float()) & (edges.float() > 0)]
+    blocks = max(numel // 32, 1)
+    amax = edges[torch.randint(0, edges.numel(), (blocks,), generator=gen)].float()
+    x = torch.rand(blocks, 32, generator=gen) * amax[:, None]
+    x[torch.arange(blocks), torch.randint(0, 32, (blocks,), generator=gen)] = amax
+    x *= torch.where(torch.rand(blocks, 32, generator=gen) < 0.5, -1.0, 1.0)
+    return x.reshape(-1)[:numel].to(in_dtype).view(shape)
+
+
+def expected_mx(mx_ref, x: torch.Tensor, fp8_dtype, rounding: str, transpose: bool):
+    """mx_reference.quantize_mx of x as [M, K], its row-wise outputs in x's layout."""
+    rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+    want = mx_ref.quantize_mx(x.reshape(rows, k), fp8_dtype, rounding, transpose)
+    scale_shape = (*x.shape[:-1], k // 32)
+    return want._replace(
+        data=want.data.reshape(x.shape), scale=want.scale.reshape(scale_shape), amax=want.amax.reshape(scale_shape)
+    )
+
+
+def mx_output_nbytes(expected) -> list[int]:
+    sizes = [expected.data.numel(), expected.scale.numel(), expected.amax.numel() * 4]
+    if expected.data_t is not None:
+        sizes += [expected.data_t.numel(), expected.scale_t.numel()]
+    return sizes
+
+
+def check_mx(ref, mx_ref, quick: bool, failures: list, poisoner: Poisoner) -> int:
+    """The MX cast against kernels/mx_reference.py: shapes x input dtypes x FP8 dtypes x roundings x transpose
+    (where 32 divides the rows) x data (wide range with zeros and tiny rows, +-inf / NaN / subnormals, the FP8
+    grid and its ties, amax at and around the rules' powers of two), twice on poisoned output memory."""
+    gen = torch.Generator().manual_seed(2468)
+    cases = 0
+    variants = ("wide", "special", "edges") if quick else ("wide", "special", "grid", "edges")
+    for (shape, offset), in_dtype, fp8_dtype, rounding, transpose in itertools.product(
+        mx_shapes_for(quick), INPUT_DTYPES, FP8_DTYPES, MX_ROUNDINGS, (False, True)
+    ):
+        if transpose and (len(shape) < 2 or math.prod(shape[:-1]) % 32):
+            continue
+        if time.perf_counter() > DEADLINE[0]:
+            raise OutOfTime(f"after {cases} MX cases, at shape {list(shape)}")
+        for variant in variants:
+            if variant == "edges":
+                x_cpu = mx_edges(shape, in_dtype, fp8_dtype, gen)
+            else:
+                x_cpu = make_input(shape, in_dtype, fp8_dtype, variant, gen, False)
+            expected = expected_mx(mx_ref, x_cpu, fp8_dtype, rounding, transpose)
+            x = to_device(x_cpu, offset)
+            label = (
+                f"mx {rounding} {str(in_dtype)[6:]}->{str(fp8_dtype)[6:]} {list(shape)}"
+                f"{' unaligned' if offset else ''}{' T' if transpose else ''} {variant}"
+            )
+            cases += 1
+            for poison in POISONS:
+                try:
+                    out = poisoner.run(
+                        lambda: mx_op(x, fp8_dtype, rounding, transpose), mx_output_nbytes(expected), poison
+                    )
+                    if DEVICE == "cuda":
+                        torch.cuda.synchronize()
+                except Exception as error:
+                    failures.append(f"{label}: raised {type(error).__name__}: {str(error).splitlines()[0]}")
+                    break
+                names = ("data", "scale", "amax", "data_t", "scale_t")
+                problems = [p for p in (compare(n, g, w, ref) for n, g, w in zip(names, out, expected)) if p]
+                if problems:
+                    failures.append(f"{label} (poison 0x{poison:02x}): " + "; ".join(problems))
+                    break
+    return cases
+
+
+def check_mx_rejections(failures: list) -> int:
+    d = DEVICE
+    bad = [
+        ("last dim 48", (torch.randn(4, 48, device=d), E4M3, "floor", False)),
+        ("transpose, 4 rows", (torch.randn(4, 64, device=d), E4M3, "floor", True)),
+        ("float64 x", (torch.randn(32, 64, device=d, dtype=torch.float64), E4M3, "floor", False)),
+        ("fp16 target", (torch.randn(32, 64, device=d), torch.float16, "floor", False)),
+        ("rounding 'ceil'", (torch.randn(32, 64, device=d), E4M3, "ceil", False)),
+    ]
+    for name, args in bad:
+        try:
+            mx_op(*args)
+            failures.append(f"MX rejection '{name}': the call ran instead of raising")
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return len(bad)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Benchmark
 # ----------------------------------------------------------------------------------------------------
 
@@ -555,7 +704,7 @@ def time_ms(fn, repeats: int, warmup: int = 5) -> tuple[float, float]:
     return statistics.median(samples), q[2] - q[0]
 
 
-def bench(ref, repeats: int) -> list[tuple]:
+def bench(ref, mx_ref, repeats: int) -> list[tuple]:
     m = k = 8192
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = (
@@ -588,10 +737,27 @@ def bench(ref, repeats: int) -> list[tuple]:
         gbs = nbytes / ms / 1e6
         name = f"{granularity}{' given scale' if given else ''}{' +transpose' if transpose else ''}"
         rows.append((name, ms, iqr, gbs, 100 * gbs / copy_gbs))
+    if mx_ref is not None:
+        for rounding, transpose in (("floor", False), ("rceil", False), ("floor", True), ("rceil", True)):
+
+            def mx_call(rounding=rounding, transpose=transpose):
+                return mx_op(x, E4M3, rounding, transpose)
+
+            nbytes = x.numel() * x.element_size() + sum(
+                t.numel() * t.element_size() for t in mx_call() if t is not None
+            )
+            ms, iqr = time_ms(mx_call, repeats)
+            gbs = nbytes / ms / 1e6
+            rows.append((f"mx {rounding}{' +transpose' if transpose else ''}", ms, iqr, gbs, 100 * gbs / copy_gbs))
     # Context: the plain-PyTorch reference on the GPU (several kernels, fp32 intermediates).
     ms, iqr = time_ms(lambda: ref.quantize(x, E4M3, "rowwise"), max(5, repeats // 5), warmup=2)
     nbytes = x.numel() * (x.element_size() + 1)
     rows.append(("reference rowwise (eager torch)", ms, iqr, nbytes / ms / 1e6, 100 * nbytes / ms / 1e6 / copy_gbs))
+    if mx_ref is not None:
+        ms, iqr = time_ms(lambda: mx_ref.quantize_mx(x, E4M3, "floor"), max(5, repeats // 5), warmup=2)
+        nbytes = x.numel() * (x.element_size() + 1) + x.numel() // 32 * 5
+        gbs = nbytes / ms / 1e6
+        rows.append(("reference mx floor (eager torch)", ms, iqr, gbs, 100 * gbs / copy_gbs))
     return rows
 
 
@@ -644,6 +810,19 @@ def _quantize_triton(*args):
 quantize_op = _quantize_native
 
 
+def _mx_native(x, dtype, rounding, transpose):
+    return torch.ops.fastmesh.mx_quantize_native(x, dtype, rounding, transpose)
+
+
+def _mx_triton(x, dtype, rounding, transpose):
+    # The public op with FASTMESH_FP8_CUDA_IMPL=triton; empty data_t/scale_t where the native op returns None.
+    data, scale, amax, data_t, scale_t = torch.ops.fastmesh.mx_quantize(x, dtype, rounding, transpose)
+    return (data, scale, amax, data_t, scale_t) if transpose else (data, scale, amax, None, None)
+
+
+mx_op = _mx_native
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and data variants")
@@ -672,10 +851,11 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    global DEVICE, quantize_op
+    global DEVICE, quantize_op, mx_op
     if args.impl == "triton":
         os.environ["FASTMESH_FP8_CUDA_IMPL"] = "triton"
         quantize_op = _quantize_triton
+        mx_op = _mx_triton
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device visible", file=sys.stderr)
@@ -689,6 +869,11 @@ def main() -> int:
         print(f"setup failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     describe_machine(source)
+    mx_ref = load_mx_reference()
+    mx_not_checked = None
+    if isinstance(mx_ref, str):
+        mx_not_checked = f"MX cast NOT CHECKED: kernels/mx_reference.py did not load ({mx_ref})"
+        mx_ref = None
 
     reference_patched = False
     if not reference_self_check(ref):
@@ -710,9 +895,13 @@ def main() -> int:
         counts = {}
         # Cheap, distinct checks first, so that a run out of time still covers every kind of check.
         counts["rejected calls"] = check_rejections(failures)
+        if mx_ref is not None:
+            counts["rejected MX calls"] = check_mx_rejections(failures)
         counts["amax"] = check_amax(ref, args.quick, failures, poisoner)
         counts[f"{quantize_op.__name__.lstrip('_')}, large"] = check_large(ref, failures, poisoner)
         try:
+            if mx_ref is not None:
+                counts[mx_op.__name__.lstrip("_")] = check_mx(ref, mx_ref, args.quick, failures, poisoner)
             counts[quantize_op.__name__.lstrip("_")] = check_quantize(ref, args.quick, failures, poisoner)
         except OutOfTime as stop:
             incomplete = f"correctness checks INCOMPLETE: out of time (--check-seconds {args.check_seconds:.0f}) {stop}"
@@ -727,6 +916,9 @@ def main() -> int:
             print(f"  ... and {len(failures) - 40} more")
         if incomplete:
             print(incomplete)
+        if mx_not_checked:
+            print(mx_not_checked)
+            incomplete = incomplete or mx_not_checked
         verdict = "FAIL" if failures else "all bit-identical to the reference" + (" (so far)" if incomplete else "")
         print("correctness:", verdict)
 
@@ -736,9 +928,11 @@ def main() -> int:
             "x read once + outputs written once; copy counts read + write"
         )
         print(f"{'case':40s} {'median ms':>10s} {'IQR ms':>8s} {'GB/s':>8s} {'% of copy':>10s}")
-        for name, ms, iqr, gbs, percent in bench(ref, args.repeats):
+        for name, ms, iqr, gbs, percent in bench(ref, mx_ref, args.repeats):
             print(f"{name:40s} {ms:10.3f} {iqr:8.3f} {gbs:8.0f} {percent:9.0f}%")
         print("target: >= 85% of copy for the one-pass cases (tensorwise current scaling reads x twice by contract)")
+        if mx_not_checked:
+            print(mx_not_checked)
 
     for function, cases in sorted(REFERENCE_NOTES.items()):
         print(

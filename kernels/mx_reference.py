@@ -70,7 +70,8 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, exponent.double()).float()
 
 
-def _cast_blocks(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
+def scaled_values(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """The fp32 values the FP8 cast rounds: ``x`` scaled per block by the rule of ``bits``, saturated, x's shape."""
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
     b = bits.unsqueeze(-1)
     if rounding == "floor":
@@ -80,7 +81,7 @@ def _cast_blocks(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype, roundi
         r = torch.where(b == 0, 1.0, _pow2(E8M0_BIAS - b))
         r = torch.where(b == 0xFE, 2.0**-127, torch.where(b == E8M0_NAN, torch.nan, r))
         values = blocks * r
-    return saturating_cast(values, dtype).reshape(x.shape)
+    return values.clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).reshape(x.shape)
 
 
 def quantize_mx(x: torch.Tensor, dtype: torch.dtype, rounding: str = "floor", transpose: bool = False) -> Quantized:
@@ -90,7 +91,7 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, rounding: str = "floor", tr
         raise ValueError(f"the last dim must be a multiple of {MX_BLOCK}, got shape {list(x.shape)}")
     amax = block_amax(x)
     bits = scale_bits(amax, dtype, rounding)
-    data = _cast_blocks(x, bits, dtype, rounding)
+    data = saturating_cast(scaled_values(x, bits, dtype, rounding), dtype)
     data_t = scale_t = None
     if transpose:
         transposed = quantize_mx(x.t().contiguous(), dtype, rounding)

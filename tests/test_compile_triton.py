@@ -1,6 +1,8 @@
 """An FP8 tensor-parallel Llama block traced by AOTAutograd on fake CUDA tensors: fastmesh's Triton kernels
 (``fastmesh::fp8_quantize`` is a ``torch.library.triton_op``) are in the forward graph *and* in the backward
-graph, as ``triton_kernel_wrapper_functional`` nodes, next to the fused FP8 collectives. No GPU is needed.
+graph, as ``triton_kernel_wrapper_functional`` nodes, next to the fused FP8 collectives. No GPU is needed. The MX
+cast (``fastmesh::mx_quantize``, a ``triton_op`` as well) is traced alone the same way, and with
+``FASTMESH_FP8_CUDA_IMPL=cuda``, where its graph calls the C++ op instead.
 
 The block is the real one: ``fastmesh.testing.llama.Block`` parallelized with ``parallelize_module(block, mesh,
 block_plan("fastmesh", fp8=Float8Config(...)))`` on a ``DeviceMesh("cuda")`` over torch's fake process group
@@ -57,6 +59,8 @@ KERNEL_MODULE = "fastmesh.kernels.fp8_quantize"
 # dgrad): the output gradient (e5m2) and the weights (e4m3, transposed).
 QUANTIZED_FORWARD = 4 + 2 + 3 + 2
 QUANTIZED_BACKWARD = 2 * 4
+MX_KERNEL = "fastmesh.kernels.mx_quantize._mx_quantize_kernel"
+MX_ROWS, MX_COLS = 64, 256
 
 
 # ---- the autograd engine's loop, in Python ----
@@ -302,6 +306,38 @@ def _trace_block(mesh, config) -> dict:
     return {kind: {"code": gm.code, "kernels": _triton_kernels(gm)} for kind, gm in graphs.items()}
 
 
+def _trace_mx_cast() -> dict:
+    """``fastmesh::mx_quantize`` on a fake CUDA x, traced by AOTAutograd (an inference graph: x needs no grad)."""
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return make_boxed_func(graph_module)
+
+    results = {}
+    with FakeTensorMode():
+        x = torch.randn(MX_ROWS, MX_COLS, device="cuda", dtype=torch.bfloat16)
+        for impl, transpose in itertools.product(("triton", "cuda"), (False, True)):
+            graphs.clear()
+            os.environ["FASTMESH_FP8_CUDA_IMPL"] = impl
+
+            def cast(t, transpose=transpose):
+                return torch.ops.fastmesh.mx_quantize(t, torch.float8_e4m3fn, "rceil", transpose)
+
+            out = aot_function(cast, fw_compiler=capture)(x)
+            assert len(graphs) == 1, len(graphs)
+            results[f"{impl} transpose={transpose}"] = {
+                "code": graphs[0].code,
+                "kernels": _triton_kernels(graphs[0]),
+                "shapes": [[str(t.dtype), list(t.shape), t.device.type] for t in out],
+            }
+    os.environ["FASTMESH_FP8_CUDA_IMPL"] = "triton"
+    return results
+
+
 def _trace_all(out_path: str) -> None:
     """Subprocess entry: trace every case on a fake 2-rank CUDA mesh; write the graphs' code and kernels."""
     import torch.distributed as dist
@@ -315,6 +351,7 @@ def _trace_all(out_path: str) -> None:
     try:
         mesh = init_device_mesh("cuda", (TP,))
         results = {name: _trace_block(mesh, Float8Config(**kwargs)) for name, kwargs in CONFIGS.items()}
+        results["mx cast"] = _trace_mx_cast()
     finally:
         dist.destroy_process_group()
     Path(out_path).write_text(json.dumps(results))
@@ -372,6 +409,26 @@ def test_backward_not_in_fp8_has_no_triton_kernels(traced):
     _assert_no_opaque_quantize(backward["code"])
     assert "fastmesh.matmul_reduce_scatter.default" in backward["code"]
     assert "fastmesh.all_gather_matmul.default" in backward["code"]
+
+
+def test_mx_cast_graph_holds_its_triton_kernel(traced):
+    # fastmesh::mx_quantize is a triton_op too: on CUDA its one Triton kernel is in the graph, not the C++ op;
+    # with FASTMESH_FP8_CUDA_IMPL=cuda the graph calls the C++ op instead.
+    e4m3, e8m0 = str(torch.float8_e4m3fn), str(torch.float8_e8m0fnu)
+    scale = [e8m0, [MX_ROWS, MX_COLS // 32], "cuda"]
+    for impl, transpose in itertools.product(("triton", "cuda"), (False, True)):
+        graph = traced["mx cast"][f"{impl} transpose={transpose}"]
+        if impl == "triton":
+            assert graph["kernels"] == [MX_KERNEL], graph["kernels"]
+            assert WRAPPER in graph["code"] and "mx_quantize_native" not in graph["code"]
+        else:
+            assert not graph["kernels"] and WRAPPER not in graph["code"]
+            assert "fastmesh.mx_quantize_native.default" in graph["code"]
+        assert "fastmesh.mx_quantize.default" not in graph["code"]
+        data_t = [[e4m3, [MX_COLS, MX_ROWS], "cuda"], [e8m0, [MX_COLS, MX_ROWS // 32], "cuda"]]
+        empty = [[e4m3, [0], "cuda"], [e8m0, [0], "cuda"]]
+        expected = [[e4m3, [MX_ROWS, MX_COLS], "cuda"], scale, [str(torch.float32), scale[1], "cuda"]]
+        assert graph["shapes"] == expected + (data_t if transpose else empty), graph["shapes"]
 
 
 if __name__ == "__main__":

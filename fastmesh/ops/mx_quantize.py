@@ -19,7 +19,8 @@ Shapes (x as ``[M, K]``, leading dims flattened)::
 
 ``data_t``/``scale_t`` are the column-wise MX cast (blocks of 32 rows) of the 2-D x, written in the same pass, as
 the backward needs; the op returns empty tensors without ``transpose``. Not differentiable. Errors: TypeError for a
-wrong type or dtype, ValueError for a shape 32 does not divide or a wrong rounding. CPU runs C++.
+wrong type or dtype, ValueError for a shape 32 does not divide or a wrong rounding. CPU runs C++; CUDA runs the
+Triton kernel (``kernels/mx_quantize.py``) or, with ``FASTMESH_FP8_CUDA_IMPL=cuda``, CUDA C++.
 """
 
 from __future__ import annotations
@@ -68,13 +69,29 @@ def _shapes(x: torch.Tensor) -> tuple[tuple, tuple, tuple]:
     return (*x.shape[:-1], x.shape[-1] // MX_BLOCK), (x.shape[-1], rows), (x.shape[-1], rows // MX_BLOCK)
 
 
+def _log_path_once(path: str) -> None:
+    log_once(logger, logging.INFO, ("mx_quantize", path), "fastmesh.fp8 MX cast runs the %s implementation", path)
+
+
 def _mx_quantize_body(
     x: torch.Tensor, dtype: torch.dtype, scale_rounding: str = "floor", transpose: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     check_mx_args(x, dtype, scale_rounding, transpose)
     x = x.contiguous()  # the kernels read x as a row-major [M, K] matrix
-    log_once(logger, logging.INFO, ("mx_quantize", x.device.type), "fastmesh.fp8 MX cast runs C++ (%s)", x.device.type)
-    data, scale, amax, data_t, scale_t = torch.ops.fastmesh.mx_quantize_native(x, dtype, scale_rounding, transpose)
+    # Imported here: fastmesh.ops.fp8_quantize imports this module.
+    from fastmesh.ops.fp8_quantize import cuda_implementation
+
+    if x.device.type == "cuda" and cuda_implementation() == "triton":
+        from torch.library import wrap_triton
+
+        from fastmesh.kernels import mx_quantize as triton_kernels
+
+        _log_path_once("Triton")
+        result = triton_kernels.quantize(x, dtype, scale_rounding, transpose, wrap=wrap_triton)
+    else:
+        _log_path_once(f"C++ ({x.device.type})")
+        result = torch.ops.fastmesh.mx_quantize_native(x, dtype, scale_rounding, transpose)
+    data, scale, amax, data_t, scale_t = result
     if data_t is None:
         data_t, scale_t = x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float8_e8m0fnu)
     return data, scale, amax, data_t, scale_t
