@@ -687,6 +687,44 @@ def test_unfusable_patterns_are_reported_and_strict_raises(name):
     assert left.node in str(raised.value) and reason in str(raised.value), str(raised.value)
 
 
+def _fp8_gather_mx_scales(data, wq, scale_a, scale_b):
+    return torch._scaled_mm(_gather_fp8(data, 0), wq, scale_a, scale_b, out_dtype=torch.bfloat16)
+
+
+def _fp8_scatter_block_scales(data, wq, scale_a, scale_b):
+    return _scatter(torch._scaled_mm(data, wq, scale_a, scale_b, out_dtype=torch.bfloat16), 0)
+
+
+def _block_scaled_inputs(kind: str):
+    """FP8 operands with scales in torch's device layouts for block-scaled _scaled_mm, as its meta function
+    checks them: MX scales swizzled ([round_up(M, 128), round_up(K / 32, 4)] E8M0), 1x128 scales of a
+    outer-dim-major ([M, K / 128]) beside 128x128 ones of b."""
+    m, k, n = 128, 256, 128
+    data = torch.zeros(m // 2 if kind == "mx" else m, k, dtype=E4M3)  # the MX graph gathers two ranks' rows
+    wq = torch.zeros(n, k, dtype=E4M3).t()
+    if kind == "mx":
+        e8m0 = torch.ones(m, 8).to(torch.float8_e8m0fnu)
+        return data, wq, e8m0, e8m0.clone()
+    return data, wq, torch.ones(k // 128, m).t(), torch.ones(k // 128, n // 128)
+
+
+@on_ranks(2, timeout=300)
+def test_block_scaled_scaled_mm_in_a_native_graph_is_reported_not_fused():
+    """torch's block-scaled _scaled_mm forms (the layouts its MX and blockwise recipes hand cuBLAS) run on GPUs
+    only; traced here (fake tensors), the pass reports them and strict mode raises before anything runs."""
+    for fn, kind, reason in (
+        (_fp8_gather_mx_scales, "mx", "has MX (float8_e8m0fnu) scales (scale_a)"),
+        (_fp8_scatter_block_scales, "block", "has block scales (scale_a)"),
+    ):
+        with torch.no_grad(), _fusion(strict=True):
+            with pytest.raises(Exception, match="strict=True") as raised:
+                torch.compile(fn, fullgraph=True)(*_block_scaled_inputs(kind))
+            report = fastmesh.compile.fusion_report()
+        [left] = report.unfused
+        assert reason in left.detail and "device layout" in left.detail, str(report)
+        assert reason in str(raised.value), str(raised.value)
+
+
 # ---- collectives whose plan is the unfused sequence are left, as not profitable ----
 
 

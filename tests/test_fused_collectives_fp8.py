@@ -287,23 +287,28 @@ def test_fp8_bad_inputs():
         (
             lambda: ag(a, torch.ones(4), [b], [one], 0, name, torch.bfloat16),
             ValueError,
-            r"a_scale must be tensor-wise \(shape \[\]\) or row-wise \(shape \[4, 1\]\), got shape \[4\]",
+            r"a_scale must be tensor-wise \(shape \[\]\), row-wise \(shape \[4, 1\]\) or block \(shape \[4, 1\]\), got "
+            r"shape \[4\]",
         ),
         (lambda: ag(a, one, [b], [], 0, name, torch.bfloat16), ValueError, r"b_scales must hold one scale per b \(1\)"),
         (lambda: ag(a, one, [b], [one], 0, name, torch.int32), TypeError, r"out_dtype must be torch.float32"),
-        (lambda: ag(a, one.double(), [b], [one], 0, name, torch.bfloat16), TypeError, r"a_scale must be float32"),
+        (
+            lambda: ag(a, one.double(), [b], [one], 0, name, torch.bfloat16),
+            TypeError,
+            r"a_scale must be float32 \(tensor-wise, row-wise or block scales\) or float8_e8m0fnu",
+        ),
         (lambda: rs(a, one, b[:7], one, 0, "sum", name, torch.float32), ValueError, r"b must have 16 rows"),
         (
             lambda: rs(a, one, b, torch.ones(8, 1), 0, "sum", name, torch.float32),
             ValueError,
-            r"b_scale must be tensor-wise \(shape \[\]\) or row-wise \(shape \[1, 8\]\)",
+            r"b_scale must be tensor-wise \(shape \[\]\), row-wise \(shape \[1, 8\]\) or block \(shape \[1, 1\]\)",
         ),
         (
             lambda: fastmesh.all_gather_matmul(
-                torch.randn(4, 8), [torch.randn(8, 2)], 0, fp8=Float8Config(granularity="block1x128")
+                torch.randn(4, 8), [torch.randn(8, 2)], 0, fp8=Float8Config(granularity="block128x128")
             ),
             ValueError,
-            r"fp8 granularity must be 'tensorwise' or 'rowwise'",
+            r"fp8 granularity must be one of 'tensorwise', 'rowwise', 'mx', 'block1x128'",
         ),
     ]
     if not ROWWISE_ON_CPU:

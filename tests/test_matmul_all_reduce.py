@@ -359,12 +359,13 @@ def test_fp8_front_equals_the_high_precision_op_on_exact_inputs():
     """Small integers quantize exactly with power-of-two scales, so the FP8 form gives the high-precision op's
     bits, forward and backward (its backward runs in the input dtype, locally)."""
     rank = dist.get_rank()
-    for granularity in ("tensorwise", "rowwise") if len(ROWWISE) == 2 else ("tensorwise",):
-        config = Float8Config(granularity=granularity, power_of_two=True)
+    granularities = ("tensorwise", "rowwise") if len(ROWWISE) == 2 else ("tensorwise",)
+    for granularity in granularities + ("mx", "block1x128"):
+        config = Float8Config(granularity=granularity, power_of_two=granularity != "mx")
         results = []
         for fp8 in (config, None):
-            a = small_ints((2, 5, 16), torch.bfloat16, seed=rank).requires_grad_()
-            b = small_ints((16, 8), torch.bfloat16, seed=10 + rank).requires_grad_()
+            a = small_ints((2, 5, 32), torch.bfloat16, seed=rank).requires_grad_()
+            b = small_ints((32, 8), torch.bfloat16, seed=10 + rank).requires_grad_()
             out = fastmesh.matmul_all_reduce(a, b, reduce_op="avg", fp8=fp8)
             grad = small_ints(out.shape, torch.bfloat16, seed=3)
             backward = c10d_calls(lambda: out.backward(grad))
@@ -372,8 +373,8 @@ def test_fp8_front_equals_the_high_precision_op_on_exact_inputs():
             results.append((out, a.grad, b.grad))
         for got, want in zip(*results):
             assert torch.equal(got, want), granularity
-    with pytest.raises(ValueError, match="fp8 granularity must be 'tensorwise' or 'rowwise'"):
-        fastmesh.matmul_all_reduce(a, b, fp8=Float8Config(granularity="block1x128"))
+    with pytest.raises(ValueError, match="fp8 granularity must be one of 'tensorwise', 'rowwise', 'mx', 'block1x128'"):
+        fastmesh.matmul_all_reduce(a, b, fp8=Float8Config(granularity="block128x128"))
 
 
 @on_ranks(2)
@@ -384,7 +385,7 @@ def test_scaled_op_checks_and_opcheck():
     bad = [
         ((a.float(), one, b, one), TypeError, r"a must be float8_e4m3fn or float8_e5m2, got torch.float32"),
         ((a, one, b[:8], one), ValueError, r"b must have 16 rows \(a's last dim\), got shape \[8, 8\]"),
-        ((a, torch.ones(3, 1), b, one), ValueError, r"a_scale must be tensor-wise \(shape \[\]\) or row-wise"),
+        ((a, torch.ones(3, 1), b, one), ValueError, r"a_scale must be tensor-wise \(shape \[\]\), row-wise"),
     ]
     ext = fastmesh._cpp_lib.load()
     for (a_, sa, b_, sb), error, match in bad:

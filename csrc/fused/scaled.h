@@ -1,13 +1,23 @@
-// FP8 operands of the scaled fused ops: argument checks and the scaled multiply both ops use.
+// FP8 operands of the scaled fused ops: argument checks and the scaled multiply every scaled op uses.
 //
-// An FP8 operand is its data (float8_e4m3fn / float8_e5m2) and its dequantization scale (float32) in a
-// layout torch._scaled_mm takes: tensor-wise (0-d) or row-wise (one per row of a: [..., 1]; one per
-// column of b: [1, N]). Block-wise scales are not supported by _scaled_mm on every backend and are
-// rejected here.
+// An FP8 operand is its data (float8_e4m3fn / float8_e5m2) and its dequantization scale (x ~= data * scale) in
+// one of these layouts, for a [..., K] (the first operand) and b [K, N] (the second):
+//
+//   layout       a's scale             b's scale                      scale dtype
+//   tensor-wise  []                    []                             float32
+//   row-wise     [..., 1]              [1, N] (one per column)        float32
+//   MX           [..., K/32]           [K/32, N]                      float8_e8m0fnu (32 | K)
+//   block        [..., ceil(K/128)]    [ceil(K/128), ceil(N/128)]     float32 (1x128 a, 128x128 b)
+//
+// Tensor-wise and row-wise operands multiply through torch._scaled_mm. An operand with block scales (MX or
+// block) makes the multiply dequantize both operands to the product's dtype and multiply those: torch 2.14's CPU
+// _scaled_mm takes no block scales, and its CUDA block forms want device-specific scale layouts that are not
+// wired here (docs/design/fp8.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_mm.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/ones.h>
 #include <c10/util/Exception.h>
 #include <torch/version.h>
@@ -21,18 +31,45 @@
 namespace fastmesh {
 namespace fused {
 
-// The scale of `data`: float32 on data's device, 0-d or `rowwise_sizes`. Returns whether it is row-wise.
-inline bool check_scale(const at::Tensor& scale, const at::Tensor& data, std::vector<int64_t> rowwise_sizes,
-                        const char* op, const std::string& arg, const std::string& data_arg) {
-  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, op, ": ", arg, " must be float32, got ",
-                   torch_dtype_name(scale.scalar_type()));
+enum class Scaling { kTensorwise, kRowwise, kMx, kBlock };
+
+inline bool has_block_scales(Scaling s) { return s == Scaling::kMx || s == Scaling::kBlock; }
+
+// Elements per scale along a blocked dim: 32 for MX (E8M0 scales), 128 for block (float32) scales.
+constexpr int64_t kMxScaleBlock = 32;
+constexpr int64_t kScaleBlock = 128;
+
+inline int64_t scale_groups(int64_t size, int64_t block) { return (size + block - 1) / block; }
+
+// The shapes a scale of one operand may have (tensor-wise is always []).
+struct ScaleShapes {
+  std::vector<int64_t> rowwise, mx, block;
+};
+
+// The scale of `data`: on data's device, one of `shapes` for its dtype. `k` is the operand's contraction dim
+// (MX needs 32 | k).
+inline Scaling check_scale(const at::Tensor& scale, const at::Tensor& data, const ScaleShapes& shapes, int64_t k,
+                           const char* op, const std::string& arg, const std::string& data_arg) {
+  const at::ScalarType dtype = scale.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kFloat8_e8m0fnu, op, ": ", arg,
+                   " must be float32 (tensor-wise, row-wise or block scales) or float8_e8m0fnu (MX scales), got ",
+                   torch_dtype_name(dtype));
   TORCH_CHECK_VALUE(scale.device() == data.device(), op, ": ", arg, " must be on ", data_arg, "'s device ",
                     data.device(), ", got ", scale.device());
-  const bool rowwise = scale.dim() > 0;
-  TORCH_CHECK_VALUE(!rowwise || scale.sizes() == at::IntArrayRef(rowwise_sizes), op, ": ", arg,
-                    " must be tensor-wise (shape []) or row-wise (shape ", at::IntArrayRef(rowwise_sizes),
-                    "), got shape ", scale.sizes());
-  return rowwise;
+  if (dtype == at::kFloat8_e8m0fnu) {
+    TORCH_CHECK_VALUE(k % kMxScaleBlock == 0, op, ": ", arg, " is an MX scale (float8_e8m0fnu): ", data_arg,
+                      "'s contraction dim must be a multiple of ", kMxScaleBlock, ", got ", k);
+    TORCH_CHECK_VALUE(scale.sizes() == at::IntArrayRef(shapes.mx), op, ": ", arg, " must have shape ",
+                      at::IntArrayRef(shapes.mx), " (MX: one scale per ", kMxScaleBlock, " elements along K), got ",
+                      scale.sizes());
+    return Scaling::kMx;
+  }
+  if (scale.dim() == 0) return Scaling::kTensorwise;
+  if (scale.sizes() == at::IntArrayRef(shapes.rowwise)) return Scaling::kRowwise;
+  TORCH_CHECK_VALUE(scale.sizes() == at::IntArrayRef(shapes.block), op, ": ", arg,
+                    " must be tensor-wise (shape []), row-wise (shape ", at::IntArrayRef(shapes.rowwise),
+                    ") or block (shape ", at::IntArrayRef(shapes.block), "), got shape ", scale.sizes());
+  return Scaling::kBlock;
 }
 
 // Checked with the arguments, before any transfer starts: a multiply that fails half-way through a
@@ -64,37 +101,66 @@ inline void check_scaled_b(const at::Tensor& b, const at::Tensor& a, const char*
                     "), got shape ", b.sizes());
 }
 
-// The scale of an FP8 `a` ([..., K]): tensor-wise or one per row ([..., 1]). Returns whether it is row-wise.
-inline bool check_a_scale(const at::Tensor& a_scale, const at::Tensor& a, const char* op, const std::string& scale_arg,
-                          const std::string& a_arg) {
-  std::vector<int64_t> rowwise_sizes(a.sizes().begin(), a.sizes().end());
-  rowwise_sizes.back() = 1;
-  return check_scale(a_scale, a, std::move(rowwise_sizes), op, scale_arg, a_arg);
+// The scale of an FP8 `a` ([..., K]).
+inline Scaling check_a_scale(const at::Tensor& a_scale, const at::Tensor& a, const char* op,
+                             const std::string& scale_arg, const std::string& a_arg) {
+  const int64_t k = a.size(-1);
+  std::vector<int64_t> lead(a.sizes().begin(), a.sizes().end() - 1);
+  ScaleShapes shapes{lead, lead, lead};
+  shapes.rowwise.push_back(1);
+  shapes.mx.push_back(k / kMxScaleBlock);
+  shapes.block.push_back(scale_groups(k, kScaleBlock));
+  return check_scale(a_scale, a, shapes, k, op, scale_arg, a_arg);
 }
 
-// The scale of an FP8 `b` ([K, N]): tensor-wise or one per column ([1, N]). Returns whether it is row-wise.
-inline bool check_b_scale(const at::Tensor& b_scale, const at::Tensor& b, const char* op, const std::string& scale_arg,
-                          const std::string& b_arg) {
-  return check_scale(b_scale, b, {1, b.size(1)}, op, scale_arg, b_arg);
+// The scale of an FP8 `b` ([K, N]).
+inline Scaling check_b_scale(const at::Tensor& b_scale, const at::Tensor& b, const char* op,
+                             const std::string& scale_arg, const std::string& b_arg) {
+  const int64_t k = b.size(0), n = b.size(1);
+  const ScaleShapes shapes{
+      {1, n}, {k / kMxScaleBlock, n}, {scale_groups(k, kScaleBlock), scale_groups(n, kScaleBlock)}};
+  return check_scale(b_scale, b, shapes, k, op, scale_arg, b_arg);
 }
 
-// Which scales of a scaled multiply are row-wise.
-struct ScaleLayout {
-  bool a_rowwise;
-  bool b_rowwise;
+// The scales of a scaled multiply.
+struct Scalings {
+  Scaling a, b;
+  // Whether a's scale follows its rows (row-wise or block scales: sliced with the rows).
+  bool a_per_row() const { return a != Scaling::kTensorwise; }
+  bool dequantizes() const { return has_block_scales(a) || has_block_scales(b); }
+  bool needs_rowwise_scaled_mm() const { return !dequantizes() && (a == Scaling::kRowwise || b == Scaling::kRowwise); }
 };
 
 // The FP8 operands of a scaled a @ b (a [..., K], b [K, N], each with its scale) and the product's out_dtype: the
 // checks every scaled op of one a and one b makes, before any transfer starts.
-inline ScaleLayout check_scaled_operands(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
-                                         const at::Tensor& b_scale, at::ScalarType out_dtype, const char* op) {
+inline Scalings check_scaled_operands(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                                      const at::Tensor& b_scale, at::ScalarType out_dtype, const char* op) {
   check_tensor(a, op, "a", kFp8Dtypes, 1);
   check_scaled_b(b, a, op, "b", "a", "a's last dim");
-  const bool a_rowwise = check_a_scale(a_scale, a, op, "a_scale", "a");
-  const bool b_rowwise = check_b_scale(b_scale, b, op, "b_scale", "b");
-  check_scales_supported(a_rowwise || b_rowwise, a.device(), op);
+  const Scalings scalings{check_a_scale(a_scale, a, op, "a_scale", "a"), check_b_scale(b_scale, b, op, "b_scale", "b")};
+  check_scales_supported(scalings.needs_rowwise_scaled_mm(), a.device(), op);
   check_out_dtype(out_dtype, op);
-  return {a_rowwise, b_rowwise};
+  return scalings;
+}
+
+// a's scale as a matrix beside a's rows ([rows, 1] or [rows, groups]); a tensor-wise scale as it is.
+inline at::Tensor scale_rows(const at::Tensor& a_scale) {
+  return a_scale.dim() == 0 ? a_scale : a_scale.contiguous().view({-1, a_scale.size(-1)});
+}
+
+// data * scale in `dtype`, each scale element covering its block of the matrix `data` (a size-1 dim of the
+// scale covers the whole dim). Exact in float32; MX scales are powers of two, so bfloat16 keeps them exact too
+// (barring the format's range), while block float32 scales round once to `dtype`.
+inline at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype) {
+  const at::Tensor values = data.to(at::kFloat);
+  at::Tensor s = scale.to(at::kFloat);
+  if (s.dim() > 0) {
+    const int64_t block = scale.scalar_type() == at::kFloat8_e8m0fnu ? kMxScaleBlock : kScaleBlock;
+    for (int64_t d = 0; d < 2; ++d) {
+      if (s.size(d) != 1 && s.size(d) != data.size(d)) s = s.repeat_interleave(block, d).narrow(d, 0, data.size(d));
+    }
+  }
+  return values.mul_(s).to(dtype);
 }
 
 // _scaled_mm wants 2-D scales with the standard strides. A size-1 dim may carry any stride (a reshape in a
@@ -104,8 +170,31 @@ inline at::Tensor with_standard_strides(const at::Tensor& scale) {
   return scale.clone(at::MemoryFormat::Contiguous);
 }
 
-// (a_rows * a_scale) @ (b * b_scale) in `out_dtype`, through torch._scaled_mm, which wants both scales
-// tensor-wise or both row-wise: a tensor-wise scale beside a row-wise one is expanded.
+// b as the scaled multiply takes it: FP8 data with its tensor-wise or row-wise scale, for torch._scaled_mm; or,
+// when either operand has block scales, b dequantized to the product's dtype (scale undefined), once per op call
+// rather than once per piece.
+struct ScaledB {
+  at::Tensor data, scale;
+
+  bool dequantized() const { return !scale.defined(); }
+
+  // Columns [first, first + count) of b.
+  ScaledB columns(int64_t first, int64_t count) const {
+    const at::Tensor part = data.narrow(1, first, count);
+    if (dequantized() || scale.dim() == 0) return {part, scale};
+    return {part, scale.narrow(1, first, count)};
+  }
+};
+
+inline ScaledB prepare_b(const at::Tensor& b, const at::Tensor& b_scale, const Scalings& scalings,
+                         at::ScalarType out_dtype) {
+  if (!scalings.dequantizes()) return {b, b_scale};
+  return {dequantize(b, b_scale, out_dtype), at::Tensor()};
+}
+
+// (a_rows * a_scale) @ (b * b_scale) in `out_dtype`. A dequantized b (block scales) is multiplied by a_rows
+// dequantized the same way. Otherwise through torch._scaled_mm, which wants both scales tensor-wise or both
+// row-wise: a tensor-wise scale beside a row-wise one is expanded.
 //
 // On CPU, tensor-wise scales go the row-wise way too (expanded), where torch has it (>= 2.13): torch's CPU
 // _scaled_mm hands tensor-wise FP8 to oneDNN, whose FP8 matmul on CPUs with AVX512-FP16 is its reference
@@ -113,24 +202,29 @@ inline at::Tensor with_standard_strides(const at::Tensor& scale) {
 // the products and scale_b after them, so that (a * scale_a) @ b can overflow where the result is finite
 // (tests/test_hostile_values.py). Row-wise, it dequantizes both operands and multiplies in fp32. Where torch has
 // no row-wise CPU form, both tensor-wise scales are applied after the products, as one product of the two.
-inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,
-                            const at::Tensor& b_scale, at::ScalarType out_dtype, at::Tensor* out = nullptr) {
+inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale, const ScaledB& b,
+                            at::ScalarType out_dtype, at::Tensor* out = nullptr) {
+  if (b.dequantized()) {
+    const at::Tensor a = dequantize(a_rows, a_scale, out_dtype);
+    return out ? at::mm_out(*out, a, b.data) : at::mm(a, b.data);
+  }
 #if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
   constexpr bool kRowwiseOnCpu = false;
 #else
   constexpr bool kRowwiseOnCpu = true;
 #endif
+  const at::Tensor& b_scale = b.scale;
   const bool cpu = a_rows.device().is_cpu();
   const bool rowwise = a_scale.dim() > 0 || b_scale.dim() > 0 || (cpu && kRowwiseOnCpu);
   const bool scales_after = !rowwise && cpu;
   const at::Tensor sa = rowwise        ? with_standard_strides(a_scale.expand({a_rows.size(0), 1}))
                         : scales_after ? at::ones({}, a_scale.options())
                                        : a_scale;
-  const at::Tensor sb = rowwise        ? with_standard_strides(b_scale.expand({1, b.size(1)}))
+  const at::Tensor sb = rowwise        ? with_standard_strides(b_scale.expand({1, b.data.size(1)}))
                         : scales_after ? a_scale.mul(b_scale)
                                        : b_scale;
-  if (out) return at::_scaled_mm_out(*out, a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
-  return at::_scaled_mm(a_rows, b, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
+  if (out) return at::_scaled_mm_out(*out, a_rows, b.data, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
+  return at::_scaled_mm(a_rows, b.data, sa, sb, std::nullopt, std::nullopt, out_dtype, false);
 }
 
 // The piece count of an FP8 op: `pieces` as given, except that the automatic count (0) on CPU is one piece per
@@ -142,15 +236,17 @@ inline int64_t scaled_pieces(int64_t pieces, const at::Device& device) {
 
 // The same into `block` ([B, rows, N], B * rows == a_rows' rows): written in place when it is one
 // contiguous matrix, else through a temporary.
-inline void scaled_mm_into(at::Tensor block, const at::Tensor& a_rows, const at::Tensor& a_scale, const at::Tensor& b,
-                           const at::Tensor& b_scale) {
+inline void scaled_mm_into(at::Tensor block, const at::Tensor& a_rows, const at::Tensor& a_scale, const ScaledB& b) {
   at::Tensor matrix = block.size(0) == 1 ? block.select(0, 0) : at::Tensor();
   if (matrix.defined() && matrix.is_contiguous()) {
-    scaled_mm(a_rows, a_scale, b, b_scale, block.scalar_type(), &matrix);
+    scaled_mm(a_rows, a_scale, b, block.scalar_type(), &matrix);
   } else {
-    block.copy_(scaled_mm(a_rows, a_scale, b, b_scale, block.scalar_type()).view(block.sizes()));
+    block.copy_(scaled_mm(a_rows, a_scale, b, block.scalar_type()).view(block.sizes()));
   }
 }
+
+// A tensor's elements as raw bytes, flat: gloo has no float8 types (the data and E8M0 scales travel as bytes).
+inline at::Tensor flat_bytes(const at::Tensor& t) { return t.view({-1}).view(at::kByte); }
 
 }  // namespace fused
 }  // namespace fastmesh

@@ -21,7 +21,7 @@ constexpr const char* kOp = "fastmesh::scaled_matmul_all_reduce";
 at::Tensor scaled_matmul_all_reduce(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                                     const at::Tensor& b_scale, c10::string_view reduce_op, c10::string_view group_name,
                                     at::ScalarType out_dtype, int64_t pieces, c10::string_view split) {
-  const bool a_rowwise_scale = check_scaled_operands(a, a_scale, b, b_scale, out_dtype, kOp).a_rowwise;
+  const Scalings scalings = check_scaled_operands(a, a_scale, b, b_scale, out_dtype, kOp);
   check_reduce_op(reduce_op, kOp);
   check_pieces(pieces, kOp);
   const pipeline::Split schedule = check_all_reduce_split(split, kOp);
@@ -30,16 +30,17 @@ at::Tensor scaled_matmul_all_reduce(const at::Tensor& a, const at::Tensor& a_sca
   std::vector<int64_t> out_sizes(a.sizes().begin(), a.sizes().end());
   out_sizes.back() = b.size(1);
   const at::Tensor a_rows = rows_view(a.contiguous());
-  const at::Tensor a_scale_rows = a_rowwise_scale ? a_scale.contiguous().view({-1, 1}) : a_scale;
+  const at::Tensor a_scale_rows = scale_rows(a_scale);
+  const ScaledB b_operand = prepare_b(b, b_scale, scalings, out_dtype);
   if (group->getSize() == 1) {
     if (a_rows.numel() == 0 || b.numel() == 0) return at::zeros(out_sizes, a.options().dtype(out_dtype));
-    return scaled_mm(a_rows, a_scale_rows, b, b_scale, out_dtype).view(out_sizes);
+    return scaled_mm(a_rows, a_scale_rows, b_operand, out_dtype).view(out_sizes);
   }
   return all_reduce_product(
       group, out_sizes, a.options().dtype(out_dtype), a.size(-1), reduce_op, scaled_pieces(pieces, a.device()),
       schedule, kOp, [&](at::Tensor slice, int64_t first_row, int64_t rows) {
-        const at::Tensor scale = a_rowwise_scale ? a_scale_rows.narrow(0, first_row, rows) : a_scale_rows;
-        scaled_mm(a_rows.narrow(0, first_row, rows), scale, b, b_scale, out_dtype, &slice);
+        const at::Tensor scale = scalings.a_per_row() ? a_scale_rows.narrow(0, first_row, rows) : a_scale_rows;
+        scaled_mm(a_rows.narrow(0, first_row, rows), scale, b_operand, out_dtype, &slice);
       });
 }
 

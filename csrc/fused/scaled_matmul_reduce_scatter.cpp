@@ -1,7 +1,7 @@
 // fastmesh::scaled_matmul_reduce_scatter: the FP8 form of matmul_reduce_scatter (pieces of rows or of b's
 // columns, or none, as the call's plan says). The multiplies are scaled
-// matmuls of FP8 operands into `out_dtype`; the product travels and is reduced in `out_dtype` (summing
-// FP8-rounded partial products would add an error per rank).
+// matmuls of FP8 operands (any scale layout of scaled.h) into `out_dtype`; the product travels and is reduced in
+// `out_dtype` (summing FP8-rounded partial products would add an error per rank).
 
 #include <string>
 #include <vector>
@@ -26,8 +26,8 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
                                         const at::Tensor& b_scale, int64_t scatter_dim, c10::string_view reduce_op,
                                         c10::string_view group_name, at::ScalarType out_dtype, int64_t pieces,
                                         c10::string_view split) {
-  const ScaleLayout scales = check_scaled_operands(a, a_scale, b, b_scale, out_dtype, kOp);
-  const bool a_rowwise_scale = scales.a_rowwise, b_rowwise_scale = scales.b_rowwise;
+  const Scalings scalings = check_scaled_operands(a, a_scale, b, b_scale, out_dtype, kOp);
+  const bool a_per_row = scalings.a_per_row();
   const int64_t dim = wrap_dim(scatter_dim, a.dim(), kOp, "scatter_dim", "a");
   check_reduce_op(reduce_op, kOp);
   check_pieces(pieces, kOp);
@@ -41,30 +41,27 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
   const int64_t k = a.size(-1);
   const at::Tensor a_dense = a.contiguous();
   const at::Tensor a_rows = rows_view(a_dense);
-  const at::Tensor a_scale_rows = a_rowwise_scale ? a_scale.contiguous().view({-1, 1}) : a_scale;
-  at::Tensor a_blocks, scale_blocks;  // [P, W, Q, K] and [P, W, Q, 1] views (row blocks of the product)
+  const at::Tensor a_scale_rows = scale_rows(a_scale);
+  at::Tensor a_blocks, scale_blocks;  // [P, W, Q, K] and [P, W, Q, groups] views (row blocks of the product)
   const int64_t n_part = n / world;
-  const auto b_columns = [&](int64_t c0, int64_t cw) {
-    return std::make_pair(b.narrow(1, c0, cw), b_rowwise_scale ? b_scale.narrow(1, c0, cw) : b_scale);
-  };
+  const ScaledB b_operand = prepare_b(b, b_scale, scalings, out_dtype);
   const auto multiply_columns = [&](at::Tensor send, int64_t c0, int64_t cw) {
     if (columns) {  // rank j's columns of the product: b's columns j*n/W + [c0, c0 + cw)
       for (int64_t j = 0; j < world; ++j) {
-        const auto [b_part, b_part_scale] = b_columns(j * n_part + c0, cw);
         at::Tensor part = send.select(0, j);
-        scaled_mm(a_rows, a_scale_rows, b_part, b_part_scale, send.scalar_type(), &part);
+        scaled_mm(a_rows, a_scale_rows, b_operand.columns(j * n_part + c0, cw), send.scalar_type(), &part);
       }
       return;
     }
     // One multiply of all of a by the column slice; rank j's part is its block of the product's rows.
     const RowLayout layout = pipeline::row_layout(a.sizes(), dim);
-    const auto [b_part, b_part_scale] = b_columns(c0, cw);
+    const ScaledB b_part = b_operand.columns(c0, cw);
     at::Tensor flat_send = send.view({-1, cw});
     if (layout.outer == 1) {
-      scaled_mm(a_rows, a_scale_rows, b_part, b_part_scale, send.scalar_type(), &flat_send);
+      scaled_mm(a_rows, a_scale_rows, b_part, send.scalar_type(), &flat_send);
       return;
     }
-    const at::Tensor product = scaled_mm(a_rows, a_scale_rows, b_part, b_part_scale, send.scalar_type());
+    const at::Tensor product = scaled_mm(a_rows, a_scale_rows, b_part, send.scalar_type());
     send.view({world, layout.outer, layout.inner / world, cw})
         .copy_(product.view({layout.outer, world, layout.inner / world, cw}).transpose(0, 1));
   };
@@ -73,23 +70,21 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
       kOp,
       [&](at::Tensor send, int64_t j, Piece piece, const RowLayout& layout) {
         if (columns) {
-          const int64_t n_part = n / world;
           const at::Tensor rows = a_rows.narrow(0, piece.unit_begin, piece.units());
-          const at::Tensor rows_scale =
-              a_rowwise_scale ? a_scale_rows.narrow(0, piece.unit_begin, piece.units()) : a_scale;
-          const at::Tensor cols_scale = b_rowwise_scale ? b_scale.narrow(1, j * n_part, n_part) : b_scale;
-          scaled_mm(rows, rows_scale, b.narrow(1, j * n_part, n_part), cols_scale, send.scalar_type(), &send);
+          const at::Tensor rows_scale = a_per_row ? a_scale_rows.narrow(0, piece.unit_begin, piece.units()) : a_scale;
+          scaled_mm(rows, rows_scale, b_operand.columns(j * n_part, n_part), send.scalar_type(), &send);
           return;
         }
         if (!a_blocks.defined()) {
           a_blocks = rank_blocks_view(a_dense, layout, world);
-          if (a_rowwise_scale) scale_blocks = rank_blocks_view(a_scale_rows, layout, world);
+          if (a_per_row) scale_blocks = rank_blocks_view(a_scale_rows, layout, world);
         }
         // A block spanning several [Q, K] slabs is strided; _scaled_mm takes plain matrices.
         const at::Tensor rows = rank_block(a_blocks, layout, j, piece).contiguous().view({-1, k});
         const at::Tensor rows_scale =
-            a_rowwise_scale ? rank_block(scale_blocks, layout, j, piece).contiguous().view({-1, 1}) : a_scale;
-        scaled_mm(rows, rows_scale, b, b_scale, send.scalar_type(), &send);
+            a_per_row ? rank_block(scale_blocks, layout, j, piece).contiguous().view({-1, a_scale_rows.size(1)})
+                      : a_scale;
+        scaled_mm(rows, rows_scale, b_operand, send.scalar_type(), &send);
       },
       multiply_columns);
 }

@@ -179,11 +179,40 @@ def _scaled_mm_args(node: Node) -> dict:
     return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
 
 
+def _block_scaled(value: torch.Tensor | None) -> str | None:
+    """What block scale a ``_scaled_mm`` scale is (``"MX (float8_e8m0fnu)"``, ``"block"``), or None for the
+    tensor-wise and row-wise ones (``[]``, ``[M, 1]``, ``[1, N]``)."""
+    if value is None:
+        return None
+    if value.dtype == torch.float8_e8m0fnu:
+        return "MX (float8_e8m0fnu)"
+    if value.dim() == 0 or (value.dim() == 2 and any(_provably_equal(size, 1) for size in value.shape)):
+        return None
+    return "block"
+
+
+def _block_scales(node: Node, scaled: dict) -> Unfusable | None:
+    """Why a ``_scaled_mm`` with block scales is not fused. torch lays them out for the device's kernel (MX scales
+    swizzled into 128 x 4 tiles, 1x128 ones outer-dim-major), not in the fused ops' per-row layouts, and
+    gathering a swizzled scale by rows is not even defined; torch's own recipes that produce them (torchao's MX
+    and blockwise training) run on GPUs this pass has not been measured on."""
+    for arg in ("scale_a", "scale_b"):
+        kind = _block_scaled(fake_value(scaled[arg]))
+        if kind is not None:
+            return Unfusable(
+                f"_scaled_mm {node.name} has {kind} scales ({arg}), in torch's device layout for block-scaled "
+                "matmuls, which the fused ops do not take (they take MX and block scales per row: "
+                "fastmesh.fp8.quantize, or fp8=Float8Config(granularity='mx' | 'block1x128') on the fronts)"
+            )
+    return None
+
+
 def _scaled_mm_extras(node: Node, scaled: dict) -> Unfusable | None:
-    """Why a ``_scaled_mm`` (its arguments by name in ``scaled``) cannot be fused: a bias or scale_result."""
+    """Why a ``_scaled_mm`` (its arguments by name in ``scaled``) cannot be fused: a bias or scale_result, or
+    block scales."""
     if scaled["bias"] is not None or scaled["scale_result"] is not None:
         return Unfusable(f"_scaled_mm {node.name} has a bias or scale_result, which the fused op has not")
-    return None
+    return _block_scales(node, scaled)
 
 
 def _dtensor_local(node: Node) -> bool:
@@ -602,6 +631,9 @@ def _product_terms(product: Node, reduction: _Reduction) -> list[Node] | Unfusab
         scaled = _scaled_mm_args(node)
         if scaled["scale_result"] is not None:
             return Unfusable(f"_scaled_mm {node.name} has a scale_result, which the fused op has not")
+        blocked = _block_scales(node, scaled)
+        if blocked is not None:
+            return blocked
         if scaled["bias"] is not None:
             bias = _partial_bias(scaled["bias"], node, reduction.reduce_op, reduction.world)
             if isinstance(bias, Unfusable):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastmesh.ops._checks import GRANULARITIES, check_fp8_dtype
+from fastmesh.ops._checks import GRANULARITIES, MX, SCALE_ROUNDINGS, check_fp8_dtype
 
 SCALINGS = ("current", "delayed")
 AMAX_COMPUTE = ("max", "most_recent")
@@ -19,10 +19,13 @@ class Float8Config:
     Keyword Args:
         dtype: format of forward operands (activations, weights). Default ``torch.float8_e4m3fn``.
         grad_dtype: format of gradients in the backward. Default ``torch.float8_e5m2`` (wider range).
-        granularity: ``"tensorwise"``, ``"rowwise"``, ``"block1x128"`` or ``"block128x128"``.
+        granularity: ``"tensorwise"``, ``"rowwise"``, ``"block1x128"``, ``"block128x128"`` or ``"mx"`` (MXFP8:
+            blocks of 32 along the contraction dim, E8M0 scales). The fused ops and TP styles take
+            ``"tensorwise"``, ``"rowwise"``, ``"mx"`` and ``"block1x128"`` (weights then in 128x128 blocks).
         scaling: ``"current"`` (scale from this tensor's amax, every call) or ``"delayed"`` (scale from an
             amax history, :class:`fastmesh.fp8.DelayedScaling`; tensorwise only).
-        power_of_two: round scales down to powers of two.
+        power_of_two: round scales down to powers of two (not with ``"mx"``, whose scales are powers of two).
+        scale_rounding: ``"mx"`` only: ``"floor"`` (the OCP spec's rule, the default) or ``"rceil"``.
         backward_in_fp8: run the backward matmuls in FP8 (``grad_dtype``) rather than high precision.
         history_len, amax_compute, margin: delayed scaling's history length, reduction over the history
             (``"max"`` or ``"most_recent"``) and margin (the scale is divided by ``2**margin``).
@@ -37,12 +40,27 @@ class Float8Config:
     history_len: int = 16
     amax_compute: str = "max"
     margin: int = 0
+    scale_rounding: str | None = None
 
     def __post_init__(self):
         for name in ("dtype", "grad_dtype"):
             check_fp8_dtype(getattr(self, name), "Float8Config", name)
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"Float8Config: granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.granularity not in GRANULARITIES + (MX,):
+            raise ValueError(
+                f"Float8Config: granularity must be one of {GRANULARITIES + (MX,)}, got {self.granularity!r}"
+            )
+        if self.granularity == MX and self.power_of_two:
+            raise ValueError(
+                "Float8Config: power_of_two does not apply to granularity 'mx' (its scales are powers of two)"
+            )
+        if self.scale_rounding is not None and self.granularity != MX:
+            raise ValueError(
+                f"Float8Config: scale_rounding applies to granularity 'mx', got granularity {self.granularity!r}"
+            )
+        if self.scale_rounding not in (None,) + SCALE_ROUNDINGS:
+            raise ValueError(
+                f"Float8Config: scale_rounding must be one of {SCALE_ROUNDINGS}, got {self.scale_rounding!r}"
+            )
         if self.scaling not in SCALINGS:
             raise ValueError(f"Float8Config: scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if self.scaling == "delayed" and self.granularity != "tensorwise":

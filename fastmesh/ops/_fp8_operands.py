@@ -1,58 +1,109 @@
 """The FP8 operands of the scaled fused ops, shared by their modules (``fused_collectives_fp8.py``,
 ``matmul_all_reduce.py``).
 
-An FP8 operand is its data (float8_e4m3fn / float8_e5m2) and its dequantization scale (float32,
-``x ~= data.float() * scale``) in a layout ``torch._scaled_mm`` takes: tensor-wise (0-d), or row-wise: one per row
-of ``a`` (``[..., 1]``), one per column of ``b`` (``[1, N]``). Here:
+An FP8 operand is its data (float8_e4m3fn / float8_e5m2) and its dequantization scale (``x ~= data * scale``, each
+scale covering its block) in one of these layouts, for ``a [..., K]`` (first operand) and ``b [K, N]`` (second)::
+
+    layout       a's scale             b's scale                    scale dtype
+    tensor-wise  []                    []                           float32
+    row-wise     [..., 1]              [1, N] (one per column)      float32
+    MX           [..., K/32]           [K/32, N]                    float8_e8m0fnu (32 | K)
+    block        [..., ceil(K/128)]    [ceil(K/128), ceil(N/128)]   float32 (1x128 a, 128x128 b)
+
+Tensor-wise and row-wise operands multiply through ``torch._scaled_mm``; with MX or block scales on either operand
+both are dequantized to the product's dtype and multiplied (``csrc/fused/scaled.h``, ``docs/design/fp8.md``).
+Here:
 
 - the checks every scaled op makes on its operands and ``out_dtype``, in the wording of ``csrc/fused/scaled.h``
   (``check_scaled_operands`` for one ``a`` and one ``b``; ``check_scaled_b``, ``check_a_scale``,
   ``check_b_scale`` and ``check_out_dtype`` for the ops that take several ``b``);
-- ``scale_granularity``: a scale's layout, as the plans' keys name it;
+- ``dequantizes``: whether a multiply of those layouts runs dequantize-and-multiply;
 - the fronts' ``fp8=`` option: ``check_config``, and the current-scaling quantization of a high-precision ``a``
   (``quantize_rows``) and ``b`` (``quantize_columns``) into those operands, and back (``dequantize``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from fastmesh.ops._checks import FP8_DTYPES, check_tensor
+from fastmesh._log import log_once
+from fastmesh.ops._checks import FP8_DTYPES, MX, MX_BLOCK, check_tensor
 from fastmesh.ops.fp8_quantize import quantize
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config
 
+logger = logging.getLogger(__name__)
+
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-GRANULARITIES = ("tensorwise", "rowwise")
+# The fronts' fp8= granularities: a's and b's quantization for each (b per output column).
+GRANULARITIES = ("tensorwise", "rowwise", "mx", "block1x128")
+_B_GRANULARITY = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mx": "mx", "block1x128": "block128x128"}
+E8M0 = torch.float8_e8m0fnu
+SCALE_BLOCK = 128  # elements per block scale (1x128 / 128x128); MX blocks are MX_BLOCK
 
 
 # ---- checks (the wording of csrc/fused/scaled.h) ----
 
 
-def _check_scale(scale, data, rowwise_shape, op: str, arg: str, data_arg: str) -> bool:
-    check_tensor(scale, op, arg, (torch.float32,), device=data.device, device_of=data_arg)
-    rowwise = scale.dim() > 0
-    if rowwise and list(scale.shape) != list(rowwise_shape):
-        raise ValueError(
-            f"{op}: {arg} must be tensor-wise (shape []) or row-wise (shape {list(rowwise_shape)}), "
-            f"got shape {list(scale.shape)}"
+def _check_scale(scale, data, shapes: dict, k: int, op: str, arg: str, data_arg: str) -> str:
+    """Which layout ``scale`` has (``shapes``: the row-wise, MX and block shapes for ``data``); ``k`` is data's
+    contraction dim."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype not in (torch.float32, E8M0):
+        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(
+            f"{op}: {arg} must be float32 (tensor-wise, row-wise or block scales) or float8_e8m0fnu (MX scales), "
+            f"got {got}"
         )
-    return rowwise
+    check_tensor(scale, op, arg, (torch.float32, E8M0), device=data.device, device_of=data_arg)
+    if scale.dtype == E8M0:
+        if k % MX_BLOCK:
+            raise ValueError(
+                f"{op}: {arg} is an MX scale (float8_e8m0fnu): {data_arg}'s contraction dim must be a multiple of "
+                f"{MX_BLOCK}, got {k}"
+            )
+        if list(scale.shape) != shapes["mx"]:
+            raise ValueError(
+                f"{op}: {arg} must have shape {shapes['mx']} (MX: one scale per {MX_BLOCK} elements along K), "
+                f"got {list(scale.shape)}"
+            )
+        return "mx"
+    if scale.dim() == 0:
+        return "tensorwise"
+    if list(scale.shape) == shapes["rowwise"]:
+        return "rowwise"
+    if list(scale.shape) != shapes["block"]:
+        raise ValueError(
+            f"{op}: {arg} must be tensor-wise (shape []), row-wise (shape {shapes['rowwise']}) or block (shape "
+            f"{shapes['block']}), got shape {list(scale.shape)}"
+        )
+    return "block"
 
 
-def check_a_scale(scale, a, op: str, arg: str = "a_scale", a_arg: str = "a") -> bool:
-    """The scale of an FP8 ``a`` (``[..., K]``): float32 on a's device, ``[]`` or ``[..., 1]``. Returns whether
-    it is row-wise."""
-    return _check_scale(scale, a, list(a.shape[:-1]) + [1], op, arg, a_arg)
+def _groups(size: int, block: int) -> int:
+    return -(-size // block)
 
 
-def check_b_scale(scale, b, op: str, arg: str = "b_scale", b_arg: str = "b") -> bool:
-    """The scale of an FP8 ``b`` (``[K, N]``): float32 on b's device, ``[]`` or ``[1, N]``. Returns whether it
-    is row-wise (one per column)."""
-    return _check_scale(scale, b, [1, b.shape[1]], op, arg, b_arg)
+def check_a_scale(scale, a, op: str, arg: str = "a_scale", a_arg: str = "a") -> str:
+    """The scale of an FP8 ``a`` (``[..., K]``) in one of the module's layouts; returns which
+    (``"tensorwise"``, ``"rowwise"``, ``"mx"``, ``"block"``)."""
+    lead, k = list(a.shape[:-1]), a.shape[-1]
+    shapes = {"rowwise": lead + [1], "mx": lead + [k // MX_BLOCK], "block": lead + [_groups(k, SCALE_BLOCK)]}
+    return _check_scale(scale, a, shapes, k, op, arg, a_arg)
+
+
+def check_b_scale(scale, b, op: str, arg: str = "b_scale", b_arg: str = "b") -> str:
+    """The scale of an FP8 ``b`` (``[K, N]``) in one of the module's layouts; returns which."""
+    k, n = b.shape
+    shapes = {
+        "rowwise": [1, n],
+        "mx": [k // MX_BLOCK, n],
+        "block": [_groups(k, SCALE_BLOCK), _groups(n, SCALE_BLOCK)],
+    }
+    return _check_scale(scale, b, shapes, k, op, arg, b_arg)
 
 
 def check_scaled_b(b, a, op: str, b_arg: str = "b", a_arg: str = "a", rows_of: str = "a's last dim") -> None:
@@ -67,35 +118,51 @@ def check_out_dtype(out_dtype, op: str) -> None:
         raise TypeError(f"{op}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
 
 
-def check_scaled_operands(a, a_scale, b, b_scale, out_dtype, op: str) -> tuple[bool, bool]:
+def check_scaled_operands(a, a_scale, b, b_scale, out_dtype, op: str) -> tuple[str, str]:
     """The FP8 operands of a scaled ``a @ b`` (``a [..., K]``, ``b [K, N]``, each with its scale) and the
-    product's ``out_dtype``. Returns whether a's and b's scales are row-wise."""
+    product's ``out_dtype``. Returns a's and b's scale layouts."""
     check_tensor(a, op, "a", FP8_DTYPES, min_dim=1)
     check_scaled_b(b, a, op)
-    a_rowwise = check_a_scale(a_scale, a, op)
-    b_rowwise = check_b_scale(b_scale, b, op)
+    layouts = check_a_scale(a_scale, a, op), check_b_scale(b_scale, b, op)
     check_out_dtype(out_dtype, op)
-    return a_rowwise, b_rowwise
+    return layouts
 
 
-def scale_granularity(scale: torch.Tensor) -> str:
-    """``"rowwise"`` or ``"tensorwise"``: the layout of a checked scale, as a plan's key names it."""
-    return "rowwise" if scale.dim() > 0 else "tensorwise"
+def dequantizes(*layouts: str) -> bool:
+    """Whether a multiply of operands with these scale layouts (the checks' results) takes the
+    dequantize-and-multiply path: MX or block scales on either operand."""
+    return any(layout in ("mx", "block") for layout in layouts)
+
+
+def log_multiply(op: str, device: torch.device, a_layout: str, b_layout: str) -> None:
+    """Says, once per op, device and layouts, that a multiply dequantizes rather than runs torch._scaled_mm."""
+    if dequantizes(a_layout, b_layout):
+        log_once(
+            logger,
+            logging.INFO,
+            (op, device.type, a_layout, b_layout),
+            "%s: %s a and %s b scales on %s: dequantize-and-multiply in the product's dtype (torch._scaled_mm's "
+            "block-scaled forms are not wired: docs/design/fp8.md)",
+            op,
+            a_layout,
+            b_layout,
+            device.type,
+        )
 
 
 # ---- the fronts' fp8= option ----
 
 
 def check_config(config, op: str) -> Float8Config:
-    """``fp8=``: a ``Float8Config`` of current scaling, tensor-wise or row-wise."""
+    """``fp8=``: a ``Float8Config`` of current scaling, granularity one of ``GRANULARITIES``."""
     from fastmesh.fp8.config import Float8Config
 
     if not isinstance(config, Float8Config):
         raise TypeError(f"{op}: fp8 must be a fastmesh.fp8.Float8Config, got {type(config).__name__}")
     if config.granularity not in GRANULARITIES:
         raise ValueError(
-            f"{op}: fp8 granularity must be 'tensorwise' or 'rowwise' (the scale layouts "
-            f"torch._scaled_mm takes on every backend), got {config.granularity!r}"
+            f"{op}: fp8 granularity must be one of {', '.join(map(repr, GRANULARITIES))} (a's quantization; b is "
+            f"quantized per output column, or 128x128 for 'block1x128'), got {config.granularity!r}"
         )
     if config.scaling != "current":
         raise ValueError(
@@ -105,19 +172,51 @@ def check_config(config, op: str) -> Float8Config:
     return config
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype, config: Float8Config):
-    """x ([..., K]) quantized per row (or tensor-wise): data and scale in _scaled_mm's layout for its first operand."""
-    q = quantize(x.detach(), dtype=dtype, granularity=config.granularity, power_of_two=config.power_of_two)
+def check_fp8_contraction(config: Float8Config, k: int, n: int, backward_in_fp8: bool, op: str) -> None:
+    """MX blocks run along the contraction dim, which 32 must divide: K forward, and N (the product's columns)
+    in an FP8 dgrad. Checked in the forward, so that a backward does not fail half-way."""
+    if config.granularity != MX:
+        return
+    if k % MX_BLOCK:
+        raise ValueError(
+            f"{op}: fp8 granularity 'mx' needs the contraction dim (K = {k}) to be a multiple of {MX_BLOCK}"
+        )
+    if backward_in_fp8 and n % MX_BLOCK:
+        raise ValueError(
+            f"{op}: fp8 granularity 'mx' with backward_in_fp8 needs the product's columns (N = {n}, the dgrad's "
+            f"contraction dim) to be a multiple of {MX_BLOCK}; pass backward_in_fp8=False or pad N"
+        )
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, config: Float8Config):
+    if granularity == MX:
+        q = quantize(x.detach(), dtype=dtype, granularity=MX, scale_rounding=config.scale_rounding)
+    else:
+        q = quantize(x.detach(), dtype=dtype, granularity=granularity, power_of_two=config.power_of_two)
     return q.data, q.scale
 
 
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype, config: Float8Config):
+    """x ([..., K]) quantized per the config along its rows: data and a's scale layout (tensor-wise
+    ``[]``, row-wise ``[..., 1]``, MX ``[..., K/32]``, block ``[..., ceil(K/128)]``)."""
+    return _quantize(x, dtype, config.granularity, config)
+
+
 def quantize_columns(b: torch.Tensor, dtype: torch.dtype, config: Float8Config):
-    """b ([K, N]) quantized per column (or tensor-wise): column-major data and a [1, N] (or 0-d) scale, the
-    layout _scaled_mm takes for its second operand."""
-    data, scale = quantize_rows(b.t(), dtype, config)
+    """b ([K, N]) quantized per output column (MX: blocks of 32 along K; 'block1x128': 128x128 blocks):
+    column-major data and b's scale layout (``[]``, ``[1, N]``, ``[K/32, N]``, ``[ceil(K/128), ceil(N/128)]``),
+    the layout _scaled_mm takes for its second operand where it takes one."""
+    data, scale = _quantize(b.t(), dtype, _B_GRANULARITY[config.granularity], config)
     return data.t(), scale.t()
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``data * scale`` in ``dtype``."""
-    return (data.float() * scale).to(dtype)
+    """``data * scale`` in ``dtype``, each scale element covering its block of ``data`` (a size-1 dim of the
+    scale covers the whole dim): the rule of ``dequantize`` in ``csrc/fused/scaled.h``."""
+    s = scale.float()
+    if s.dim() > 0:
+        block = MX_BLOCK if scale.dtype == E8M0 else SCALE_BLOCK
+        for d in range(s.dim()):
+            if s.shape[d] not in (1, data.shape[d]):
+                s = s.repeat_interleave(block, d).narrow(d, 0, data.shape[d])
+    return (data.float() * s).to(dtype)

@@ -49,7 +49,7 @@ _SIGNATURES = {
     "rank_columns": "(Tensor t, str group_name) -> Tensor",
     "scaled_matmul_all_reduce": "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, str reduce_op, str group_name, "
     "ScalarType out_dtype, int pieces=0) -> Tensor",
-    # Their FP8 forms (fastmesh/ops/fused_collectives_fp8.py): FP8 data with tensor-wise or row-wise scales.
+    # Their FP8 forms (fastmesh/ops/fused_collectives_fp8.py): FP8 data with tensor-wise, row-wise, MX or block scales.
     "all_gather_scaled_matmul": "(Tensor a_shard, Tensor a_scale, Tensor[] bs, Tensor[] b_scales, int gather_dim, "
     "str group_name, ScalarType out_dtype, bool return_a=False, int pieces=0) -> (Tensor?, Tensor?, Tensor[])",
     "scaled_matmul_reduce_scatter": "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, int scatter_dim, "

@@ -319,8 +319,8 @@ def all_gather_matmul(
         return_a: also return the gathered ``a``.
         pieces: pipeline pieces of rows per rank (``None``: the call's plan, ``docs/plans.md``; 1: no
             overlap beyond the local shard's multiply).
-        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to run in FP8
-            (``fastmesh/ops/fused_collectives_fp8.py``). Rows only (``gather_dim`` not the last dim); the
+        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling; tensor-wise, row-wise, MX or block1x128)
+            to run in FP8 (``fastmesh/ops/fused_collectives_fp8.py``). Rows only (``gather_dim`` not the last dim); the
             returned ``a`` is then the dequantized FP8 gather, its gradient passed straight through.
         chunks: deprecated alias of ``pieces`` (warns).
 
@@ -389,8 +389,8 @@ def matmul_reduce_scatter(
         group: as for :func:`all_gather_matmul`.
         reduce_op: ``"sum"`` or ``"avg"``.
         pieces: pipeline pieces of rows per rank (``None``: the call's plan, ``docs/plans.md``).
-        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to multiply in FP8
-            (``fastmesh/ops/fused_collectives_fp8.py``; the product is reduced in a's dtype).
+        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling; tensor-wise, row-wise, MX or block1x128)
+            to multiply in FP8 (``fastmesh/ops/fused_collectives_fp8.py``; the product is reduced in a's dtype).
         chunks: deprecated alias of ``pieces`` (warns).
 
     Returns:

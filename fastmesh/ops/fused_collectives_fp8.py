@@ -1,27 +1,33 @@
 """FP8 forms of the fused collectives: ``fastmesh::all_gather_scaled_matmul`` and
 ``fastmesh::scaled_matmul_reduce_scatter``, and the ``fp8=`` option of the Python fronts.
 
-The ops take FP8 data with dequantization scales (``x ~= data.float() * scale``) in the layouts ``torch._scaled_mm``
-takes: tensor-wise (0-d) or row-wise. Plain-PyTorch equivalents (``deq(d, s) = d.float() * s``)::
+The ops take FP8 data with dequantization scales (``x ~= data.float() * scale``) in the layouts of
+``_fp8_operands.py``: tensor-wise (0-d), row-wise, MX (E8M0, blocks of 32 along K) or block (1x128 a, 128x128 b).
+Plain-PyTorch equivalents (``deq(d, s)``: ``d.float() * s`` with each scale covering its block)::
 
     # all_gather_scaled_matmul(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a)
     a = cat(all_gather(deq(a_shard, a_scale)), gather_dim)                # rows only: gather_dim < last dim
     outs = [(a @ deq(b, s)).to(out_dtype) for b, s in zip(bs, b_scales)]
-    result = (gathered FP8 data, its row-wise scales) if return_a else (None, None), outs
+    result = (gathered FP8 data, its scales per row) if return_a else (None, None), outs
     # scaled_matmul_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype)
     result = reduce_scatter((deq(a, a_scale) @ deq(b, b_scale)).to(out_dtype), scatter_dim, reduce_op)
 
 Shapes are those of ``fused_collectives.py``, with (``out_dtype``: float32, bfloat16 or float16)::
 
-    a_shard / a   [..., K] FP8                    a_scale        [] or [..., 1] float32 (per rank for the gather)
-    bs[i] / b     [K, N] FP8 (CUDA: column-major)  b_scale(s[i])  [] or [1, N] float32
-    gathered a    [..W*S.., K] FP8                 its scale      [..W*S.., 1] float32, row-wise in any case
+    a_shard / a   [..., K] FP8                    a_scale        [], [..., 1], [..., K/32] e8m0, [..., ceil(K/128)]
+    bs[i] / b     [K, N] FP8 (CUDA: column-major)  b_scale(s[i])  [], [1, N], [K/32, N] e8m0, [ceil(K/128), ceil(N/128)]
+    gathered a    [..W*S.., K] FP8                 its scale      [..W*S.., G]: a_scale's G per row (tensor-wise: 1)
 
-Autograd: the ops take quantized data and have none. The fronts' ``fp8=Float8Config(...)`` (current scaling,
-tensor-wise or row-wise) quantizes the inputs (each b per output column) and calls these ops. Its backward runs
-the dgrad through the other fused op, in FP8 (``grad_dtype``) when ``backward_in_fp8``, else in the input dtype
-(always for a reduce-scatter of the last dim: its dgrad would gather the contraction dim), and the wgrad in the
-input dtype from the saved FP8 activation. Errors as for the high-precision ops. Design: ``docs/design/fp8.md``.
+The multiplies are ``torch._scaled_mm`` for tensor-wise and row-wise scales; with MX or block scales on either
+operand they dequantize both operands to ``out_dtype`` and multiply those (b once per call), and the op says so
+once in the log.
+
+Autograd: the ops take quantized data and have none. The fronts' ``fp8=Float8Config(...)`` (current scaling;
+tensor-wise, row-wise, MX or block1x128) quantizes the inputs (each b per output column; 128x128 for
+block1x128) and calls these ops. Its backward runs the dgrad through the other fused op, in FP8 (``grad_dtype``)
+when ``backward_in_fp8``, else in the input dtype (always for a reduce-scatter of the last dim: its dgrad would
+gather the contraction dim), and the wgrad in the input dtype from the saved FP8 activation. Errors as for the
+high-precision ops. Design: ``docs/design/fp8.md``.
 """
 
 from __future__ import annotations
@@ -37,13 +43,14 @@ from fastmesh.ops._checks import FP8_DTYPES, check_tensor, wrap_dim
 from fastmesh.ops._fp8_operands import (
     check_a_scale,
     check_b_scale,
+    check_fp8_contraction,
     check_out_dtype,
     check_scaled_b,
     check_scaled_operands,
     dequantize,
+    log_multiply,
     quantize_columns,
     quantize_rows,
-    scale_granularity,
 )
 from fastmesh.ops._fused_common import (
     as_matrix,
@@ -70,7 +77,8 @@ _RS = "fastmesh::scaled_matmul_reduce_scatter"
 # ---- checks (the wording of csrc/fused/all_gather_scaled_matmul.cpp, scaled_matmul_reduce_scatter.cpp) ----
 
 
-def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, pieces) -> int:
+def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, pieces):
+    """(gather_dim wrapped, a's scale layout, each b's)."""
     check_tensor(a_shard, _AG, "a_shard", FP8_DTYPES, min_dim=2)
     dim = wrap_dim(gather_dim, a_shard.dim(), _AG, "gather_dim", "a_shard")
     if dim == a_shard.dim() - 1:
@@ -78,26 +86,28 @@ def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dty
             f"{_AG}: the FP8 form gathers rows: gather_dim must not be the last dim ({gather_dim} for "
             f"a_shard with {a_shard.dim()} dims), since ranks' scales cannot share a dot product"
         )
-    check_a_scale(a_scale, a_shard, _AG, "a_scale", "a_shard")
+    a_layout = check_a_scale(a_scale, a_shard, _AG, "a_scale", "a_shard")
     check_out_dtype(out_dtype, _AG)
     check_pieces(pieces, _AG)
     if not bs:
         raise ValueError(f"{_AG}: bs must hold at least one matrix, got an empty list")
     if len(b_scales) != len(bs):
         raise ValueError(f"{_AG}: b_scales must hold one scale per b ({len(bs)}), got {len(b_scales)}")
+    b_layouts = []
     for i, (b, s) in enumerate(zip(bs, b_scales)):
         check_scaled_b(b, a_shard, _AG, f"bs[{i}]", "a_shard", "the last dim of a_shard")
-        check_b_scale(s, b, _AG, f"b_scales[{i}]", f"bs[{i}]")
-    return dim
+        b_layouts.append(check_b_scale(s, b, _AG, f"b_scales[{i}]", f"bs[{i}]"))
+    return dim, a_layout, b_layouts
 
 
-def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, pieces) -> int:
-    check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _RS)
+def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, pieces):
+    """(scatter_dim wrapped, (a's scale layout, b's))."""
+    layouts = check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _RS)
     dim = wrap_dim(scatter_dim, a.dim(), _RS, "scatter_dim", "a")
     check_reduce_op(reduce_op, _RS)
     check_pieces(pieces, _RS)
     check_scattered_divisible(a.shape, b.shape[1], dim, scatter_dim, world, _RS)
-    return dim
+    return dim, layouts
 
 
 # ---- fake impls ----
@@ -108,18 +118,18 @@ def _all_gather_scaled_matmul_fake(
     a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, pieces=0
 ):
     world = group_size(group_name, _AG)
-    dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, pieces)
+    dim, _, _ = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, pieces)
     full = gathered_shape(a_shard.shape, dim, world)
     outs = [a_shard.new_empty(full[:-1] + [b.shape[1]], dtype=out_dtype) for b in bs]
     if not return_a:
         return None, None, outs
-    return a_shard.new_empty(full), a_scale.new_empty(full[:-1] + [1]), outs
+    return a_shard.new_empty(full), a_scale.new_empty(full[:-1] + [a_scale.shape[-1] if a_scale.dim() else 1]), outs
 
 
 @torch.library.register_fake(qualified_name("scaled_matmul_reduce_scatter"))
 def _scaled_matmul_reduce_scatter_fake(a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, pieces=0):
     world = group_size(group_name, _RS)
-    dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, pieces)
+    dim, _ = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, world, pieces)
     return a.new_empty(scattered_shape(a.shape, b.shape[1], dim, world), dtype=out_dtype)
 
 
@@ -136,7 +146,7 @@ def scaled_gather_plan_call(a_shard, a_scale, bs, dim: int, group_name: str, out
         a_shard,
         [b.shape[1] for b in bs],
         dim,
-        extra=(("a_scale", scale_granularity(a_scale)), ("out_dtype", str(out_dtype))),
+        extra=(("a_scale", check_a_scale(a_scale, a_shard, _AG)), ("out_dtype", str(out_dtype))),
         allow_unfused=a_scale.dim() > 0,
     )
 
@@ -152,7 +162,7 @@ def scaled_scatter_plan_call(a, a_scale, b, b_scale, dim: int, group_name: str, 
         b.shape[1],
         dim,
         out_dtype,
-        extra=(("scales", f"{scale_granularity(a_scale)},{scale_granularity(b_scale)}"),),
+        extra=(("scales", ",".join(check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _RS))),),
         columns_pieces=a.device.type != "cuda",
     )
 
@@ -161,7 +171,11 @@ def _all_gather_scaled_matmul_kernel(
     a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, pieces=0
 ):
     group = resolve_group(group_name, _AG)
-    dim = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, group.size(), pieces)
+    dim, a_layout, b_layouts = _check_all_gather_scaled(
+        a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, group.size(), pieces
+    )
+    for b_layout in b_layouts:
+        log_multiply(_AG, a_shard.device, a_layout, b_layout)
     ext = _cpp_lib.load()
     bs, b_scales = list(bs), list(b_scales)
 
@@ -185,7 +199,10 @@ def _scaled_matmul_reduce_scatter_kernel(
     a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, pieces=0
 ):
     group = resolve_group(group_name, _RS)
-    dim = _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, group.size(), pieces)
+    dim, layouts = _check_scaled_reduce_scatter(
+        a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, group.size(), pieces
+    )
+    log_multiply(_RS, a.device, *layouts)
     ext = _cpp_lib.load()
 
     def run(plan: plans.Plan):
@@ -214,6 +231,8 @@ for _device in ("CPU", "CUDA"):
 class _Float8AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, group_name, gather_dim, pieces, return_a, a_shard, *bs):
+        for b in bs:
+            check_fp8_contraction(config, b.shape[0], b.shape[1], config.backward_in_fp8, "fastmesh.all_gather_matmul")
         a_data, a_scale = quantize_rows(a_shard, config.dtype, config)
         b_ops = [quantize_columns(b, config.dtype, config) for b in bs]
         a_full, a_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
@@ -267,6 +286,11 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
 class _Float8MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, group_name, scatter_dim, reduce_op, pieces, a, b):
+        # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which
+        # the FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype. So
+        # does one with no columns (b [K, 0]): the FP8 gather takes no empty last dim, and there is nothing to shrink.
+        dgrad_in_fp8 = config.backward_in_fp8 and scatter_dim % a.dim() != a.dim() - 1 and b.shape[1] > 0
+        check_fp8_contraction(config, b.shape[0], b.shape[1], dgrad_in_fp8, "fastmesh.matmul_reduce_scatter")
         a_data, a_scale = quantize_rows(a, config.dtype, config)
         b_data, b_scale = quantize_columns(b, config.dtype, config)
         out = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
@@ -280,10 +304,7 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
             pieces,
         )
         ctx.dtype = a.dtype
-        # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which
-        # the FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype. So
-        # does one with no columns (b [K, 0]): the FP8 gather takes no empty last dim, and there is nothing to shrink.
-        ctx.dgrad_in_fp8 = config.backward_in_fp8 and scatter_dim % a.dim() != a.dim() - 1 and b.shape[1] > 0
+        ctx.dgrad_in_fp8 = dgrad_in_fp8
         ctx.save_for_backward(a, b)
         return out
 

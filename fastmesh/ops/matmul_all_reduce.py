@@ -34,10 +34,11 @@ from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, plans, traced_unfused
 from fastmesh.ops._fp8_operands import (
     check_config,
+    check_fp8_contraction,
     check_scaled_operands,
+    log_multiply,
     quantize_columns,
     quantize_rows,
-    scale_granularity,
 )
 from fastmesh.ops._fused_common import (
     as_matrix,
@@ -64,10 +65,12 @@ def _check_matmul_all_reduce(a, b, reduce_op, pieces) -> None:
     check_pieces(pieces, _OP)
 
 
-def _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces) -> None:
-    check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _SOP)
+def _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces) -> tuple[str, str]:
+    """a's and b's scale layouts."""
+    layouts = check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _SOP)
     check_reduce_op(reduce_op, _SOP)
     check_pieces(pieces, _SOP)
+    return layouts
 
 
 def _product_shape(a, b) -> list:
@@ -96,7 +99,7 @@ def plan_call(a, b, group_name: str) -> plans.Call:
 
 def scaled_plan_call(a, a_scale, b, b_scale, group_name: str, out_dtype) -> plans.Call:
     """The planner's view of a scaled_matmul_all_reduce call."""
-    scales = (("scales", f"{scale_granularity(a_scale)},{scale_granularity(b_scale)}"),)
+    scales = (("scales", ",".join(check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _SOP))),)
     return plans.product_call(
         _SOP, "all_reduce", resolve_group(group_name, _SOP), group_name, a, b.shape[1], out_dtype, scales
     )
@@ -120,7 +123,7 @@ def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
 
 def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, pieces=0):
     world = group_size(group_name, _SOP)
-    _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces)
+    log_multiply(_SOP, a.device, *_check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces))
     ext = _cpp_lib.load()
 
     def run(plan: plans.Plan):
@@ -168,11 +171,13 @@ torch.library.register_autograd(qualified_name("matmul_all_reduce"), _backward, 
 
 
 class _Float8MatmulAllReduce(torch.autograd.Function):
-    """The front's ``fp8=`` path: a quantized per row (or tensor-wise), b per column; backward as the
-    high-precision op's (local, in the input dtype: no transfer to shrink)."""
+    """The front's ``fp8=`` path: a quantized per its rows, b per output column (``quantize_rows`` /
+    ``quantize_columns``); backward as the high-precision op's (local, in the input dtype: no transfer to
+    shrink)."""
 
     @staticmethod
     def forward(ctx, config, group_name, reduce_op, pieces, a, b):
+        check_fp8_contraction(config, b.shape[0], b.shape[1], False, "fastmesh.matmul_all_reduce")
         a_data, a_scale = quantize_rows(a, config.dtype, config)
         b_data, b_scale = quantize_columns(b, config.dtype, config)
         ctx.avg, ctx.group_name = reduce_op == "avg", group_name
@@ -214,8 +219,8 @@ def matmul_all_reduce(
         reduce_op: ``"sum"`` or ``"avg"``.
         pieces: pipeline pieces of the product's rows (``None``: the call's plan, ``docs/plans.md``; 1: one
             multiply, then one all-reduce).
-        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling, tensor-wise or row-wise) to multiply in FP8
-            (the product is reduced in a's dtype; the backward runs in a's dtype).
+        fp8: a :class:`fastmesh.fp8.Float8Config` (current scaling; tensor-wise, row-wise, MX or block1x128)
+            to multiply in FP8 (the product is reduced in a's dtype; the backward runs in a's dtype).
         chunks: deprecated alias of ``pieces`` (warns).
 
     Returns:

@@ -23,8 +23,8 @@ def check_sequence_placement(placement, style: str, arg: str, allow_replicate: b
 
 
 def check_fp8(config, style: str):
-    """The ``fp8`` keyword: None or a Float8Config the fused fronts can run (current scaling, tensor-wise or
-    row-wise), checked when the style is built rather than at the first forward."""
+    """The ``fp8`` keyword: None or a Float8Config the fused fronts can run (current scaling; tensor-wise,
+    row-wise, MX or block1x128), checked when the style is built rather than at the first forward."""
     return None if config is None else check_config(config, style)
 
 

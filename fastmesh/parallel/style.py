@@ -104,11 +104,12 @@ class FusedColwiseParallel(ParallelStyle):
             Names of the parent's ``nn.Linear`` submodules that share the gather; ``None`` (default) when the
             style is applied to a linear itself.
         fp8 (Float8Config, optional):
-            Run the matmuls in FP8 (``fastmesh.fp8.Float8Config``, current scaling, tensor-wise or row-wise):
-            the input shard is quantized and travels as FP8 plus its scales, the weights are quantized per
-            output column (or tensor), and the backward runs in FP8 or high precision per
-            ``backward_in_fp8``. Each rank's scales are those of its own shard and travel with it, so no amax
-            is reduced across the group. Needs a sequence-sharded input.
+            Run the matmuls in FP8 (``fastmesh.fp8.Float8Config``, current scaling; tensor-wise, row-wise, MX
+            or block1x128): the input shard is quantized and travels as FP8 plus its scales, the weights are
+            quantized per output column (or tensor; MX blocks along K; 128x128 for block1x128), and the
+            backward runs in FP8 or high precision per ``backward_in_fp8``. Each rank's scales are those of
+            its own shard and travel with it, so no amax is reduced across the group. Needs a
+            sequence-sharded input.
         pieces (int, optional):
             The fused op's pipeline pieces of rows per rank (default: the op's plan per call).
         chunks (int, optional):
