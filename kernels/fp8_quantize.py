@@ -118,6 +118,18 @@ def _cast(value, q, FP8_MAX: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(tiles_k, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_K] tile of an [M, K] matrix cut into tiles, tiles_k per row of tiles:
+    (its tile row, its tile column, its rows, its columns, which rows are < M, which columns are < K)."""
+    pid = tl.program_id(0)
+    pid_m = (pid // tiles_k).to(tl.int64)
+    pid_k = (pid % tiles_k).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    return pid_m, pid_k, rows, cols, rows < M, cols < K
+
+
+@triton.jit
 def _amax_flat_kernel(x_ptr, amax_bits_ptr, numel, blocks_per_program, BLOCK: tl.constexpr):
     """amax_bits[0] = max over all of x of |x| bits (amax_bits zero-initialized)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -152,13 +164,7 @@ def _amax_tiles_kernel(
     out2 (REDUCE2) its columns or nothing. Element (group_m, group_k) of an output sits at
     group_m * stride_m + group_k * stride_k, where a group index is the tile's along a reduced axis
     and the row / column otherwise."""
-    pid = tl.program_id(0)
-    pid_m = (pid // tiles_k).to(tl.int64)
-    pid_k = (pid % tiles_k).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < K
+    pid_m, pid_k, rows, cols, row_ok, col_ok = _program_tile(tiles_k, M, K, BLOCK_M, BLOCK_K)
     _, bits = _load(x_ptr, rows[:, None] * K + cols[None, :], row_ok[:, None] & col_ok[None, :])
     if REDUCE == 1:
         tl.atomic_max(out_ptr + pid_m * out_stride_m + pid_k * out_stride_k, tl.max(tl.max(bits, axis=1), axis=0))
@@ -262,13 +268,7 @@ def _quantize_tiles_kernel(
     block1x128:   BLOCK_K == 128; with transpose also BLOCK_M == 128 (column groups of 128 rows).
     block128x128: BLOCK_M == BLOCK_K == 128, one group per program.
     """
-    pid = tl.program_id(0)
-    pid_m = (pid // tiles_k).to(tl.int64)
-    pid_k = (pid % tiles_k).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < K
+    pid_m, pid_k, rows, cols, row_ok, col_ok = _program_tile(tiles_k, M, K, BLOCK_M, BLOCK_K)
     mask = row_ok[:, None] & col_ok[None, :]
     value, bits = _load(x_ptr, rows[:, None] * K + cols[None, :], mask)
     fp8 = data_ptr.dtype.element_ty

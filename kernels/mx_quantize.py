@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from fastmesh.kernels.fp8_quantize import FP8_MAX, Quantized, _cast, _cdiv, _launcher, _load, _unused
+from fastmesh.kernels.fp8_quantize import FP8_MAX, Quantized, _cast, _cdiv, _launcher, _load, _program_tile, _unused
 
 from fastmesh.ops._checks import MX_BLOCK
 from fastmesh.ops.mx_quantize import _shapes, check_mx_args
@@ -122,13 +122,7 @@ def _mx_quantize_kernel(
 
     scale_ptr / scale_t_ptr: uint8 views of the E8M0 outputs. Rows past M load as 0, so a column block
     with no row of x has amax 0; every store of them is masked."""
-    pid = tl.program_id(0)
-    pid_m = (pid // tiles_k).to(tl.int64)
-    pid_k = (pid % tiles_k).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < K
+    pid_m, pid_k, rows, cols, row_ok, col_ok = _program_tile(tiles_k, M, K, BLOCK_M, BLOCK_K)
     mask = row_ok[:, None] & col_ok[None, :]
     value, bits = _load(x_ptr, rows[:, None] * K + cols[None, :], mask)
     fp8 = data_ptr.dtype.element_ty

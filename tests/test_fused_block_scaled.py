@@ -238,7 +238,7 @@ def test_fp8_scatter_front_matches_quantize_gather_dequantize_reference(world_si
 
 @on_ranks(2)
 def test_fp8_block_forms_opcheck_and_compile():
-    from test_fused_collectives_fp8 import _opcheck_fp8
+    from test_fused_collectives_fp8 import _opcheck_fp8, assert_compiled_fp8_block_matches_eager
 
     name = _world_name()
     a = fp8_ints([4, 6, K], seed=dist.get_rank())
@@ -257,23 +257,7 @@ def test_fp8_block_forms_opcheck_and_compile():
         )
 
     for granularity in ("mx", "block1x128"):
-        config = Float8Config(granularity=granularity)
-
-        def block(x, w1, w2):
-            _, (h,) = fastmesh.all_gather_matmul(x, [w1], 0, fp8=config)
-            return fastmesh.matmul_reduce_scatter(torch.relu(h), w2, 0, fp8=config)
-
-        results = []
-        for compiled in (False, True):
-            x = randn((8, 64), seed=dist.get_rank()).to(torch.bfloat16).requires_grad_()
-            w1 = randn((64, 32), seed=1).to(torch.bfloat16).requires_grad_()
-            w2 = randn((32, 64), seed=2).to(torch.bfloat16).requires_grad_()
-            fn = torch.compile(block, fullgraph=True, backend="inductor") if compiled else block
-            out = fn(x, w1, w2)
-            out.float().sum().backward()
-            results.append((out, x.grad, w1.grad, w2.grad))
-        for got, want in zip(*results):
-            torch.testing.assert_close(got, want)
+        assert_compiled_fp8_block_matches_eager(Float8Config(granularity=granularity), k=64, hidden=32)
 
 
 @on_ranks(2)

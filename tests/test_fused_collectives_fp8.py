@@ -244,7 +244,12 @@ def test_fp8_opcheck_and_compile():
                 (a, a_scale, b, b_scale, dim, "sum", name, torch.float32, 0),
             )
 
-    config = Float8Config(granularity="rowwise" if ROWWISE_ON_CPU else "tensorwise")
+    assert_compiled_fp8_block_matches_eager(Float8Config(granularity="rowwise" if ROWWISE_ON_CPU else "tensorwise"))
+
+
+def assert_compiled_fp8_block_matches_eager(config: Float8Config, k: int = 32, hidden: int = 16) -> None:
+    """all_gather_matmul -> relu -> matmul_reduce_scatter with ``fp8=config`` on x [8, k] per rank: compiled
+    (fullgraph, inductor), the outputs and gradients of eager."""
 
     def block(x, w1, w2):
         _, (h,) = fastmesh.all_gather_matmul(x, [w1], 0, fp8=config)
@@ -252,11 +257,9 @@ def test_fp8_opcheck_and_compile():
 
     results = []
     for compiled in (False, True):
-        x = randn((8, 32), torch.bfloat16, seed=dist.get_rank()).requires_grad_()
-        w1, w2 = (
-            randn((32, 16), torch.bfloat16, 1).requires_grad_(),
-            randn((16, 32), torch.bfloat16, 2).requires_grad_(),
-        )
+        x = randn((8, k), torch.bfloat16, seed=dist.get_rank()).requires_grad_()
+        w1 = randn((k, hidden), torch.bfloat16, 1).requires_grad_()
+        w2 = randn((hidden, k), torch.bfloat16, 2).requires_grad_()
         fn = torch.compile(block, fullgraph=True, backend="inductor") if compiled else block
         out = fn(x, w1, w2)
         out.float().sum().backward()
