@@ -152,15 +152,30 @@ inline at::Tensor scale_rows(const at::Tensor& a_scale) {
 // scale covers the whole dim). Exact in float32; MX scales are powers of two, so bfloat16 keeps them exact too
 // (barring the format's range), while block float32 scales round once to `dtype`.
 inline at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype) {
-  const at::Tensor values = data.to(at::kFloat);
+  at::Tensor values = data.to(at::kFloat);
   at::Tensor s = scale.to(at::kFloat);
-  if (s.dim() > 0) {
-    const int64_t block = scale.scalar_type() == at::kFloat8_e8m0fnu ? kMxScaleBlock : kScaleBlock;
-    for (int64_t d = 0; d < 2; ++d) {
-      if (s.size(d) != 1 && s.size(d) != data.size(d)) s = s.repeat_interleave(block, d).narrow(d, 0, data.size(d));
+  if (s.dim() == 0) return values.mul_(s).to(dtype);
+  const int64_t block = scale.scalar_type() == at::kFloat8_e8m0fnu ? kMxScaleBlock : kScaleBlock;
+  // Where the blocks tile a dim exactly, a blocked dim of `values` is split into (groups, block) and the scale
+  // broadcast over the block: no expanded copy of the scale. A partial last block (block scales) expands it.
+  std::vector<int64_t> value_sizes, scale_sizes;
+  for (int64_t d = 0; d < 2; ++d) {
+    const int64_t n = data.size(d), groups = s.size(d);
+    if (groups == 1 || groups == n) {
+      value_sizes.push_back(n);
+      scale_sizes.push_back(groups);
+    } else if (n == groups * block) {
+      value_sizes.insert(value_sizes.end(), {groups, block});
+      scale_sizes.insert(scale_sizes.end(), {groups, 1});
+    } else {
+      s = s.repeat_interleave(block, d).narrow(d, 0, n);
+      value_sizes.push_back(n);
+      scale_sizes.push_back(n);
     }
   }
-  return values.mul_(s).to(dtype);
+  // Splitting a dim keeps any layout a view (b is column-major): `values` is dequantized in place.
+  values.view(value_sizes).mul_(s.reshape(scale_sizes));
+  return values.to(dtype);
 }
 
 // _scaled_mm wants 2-D scales with the standard strides. A size-1 dim may carry any stride (a reshape in a
