@@ -43,6 +43,7 @@ class Context:
     dtypes: tuple[str, ...]
     cases: list[str]  # --case specs for this family; empty: the family's defaults
     clock: object
+    fp8: tuple[str, ...] = ()  # --fp8: the FP8 forms of fused_collectives' float8 cases; empty: its defaults
     leader: bool = True  # prints progress and keeps the rows
     group: object = None
     mesh: object = None

@@ -4,12 +4,15 @@ For each op, dtype and shape, the contenders run round-robin (interleaved rounds
 
 * ``fastmesh``: ``fastmesh.all_gather_matmul`` / ``matmul_reduce_scatter`` / ``matmul_all_reduce`` /
   ``matmul_all_gather``;
-  for ``float8`` ``torch.ops.fastmesh.all_gather_scaled_matmul`` / ``scaled_matmul_reduce_scatter`` on FP8 data
-  with tensor-wise or row-wise scales, bf16 out;
+  for ``float8`` ``torch.ops.fastmesh.all_gather_scaled_matmul`` / ``scaled_matmul_reduce_scatter`` /
+  ``scaled_matmul_all_reduce`` on FP8 data, bf16 out, with the scales of ``FP8_GRANULARITIES``: tensor-wise,
+  row-wise, MX (e8m0 per 32 along K) or block (a 1x128, b 128x128);
 * ``unfused`` (baseline): the c10d all-gather then ``matmul`` per b / ``matmul`` then the c10d reduce-scatter /
   ``matmul`` then the c10d all-reduce / ``matmul`` then the c10d all-gather (FP8: the FP8 bytes and their
-  row-wise scales gathered, then ``torch._scaled_mm``), into preallocated outputs, plus the block-reordering copy
-  c10d needs when the gathered / scattered dim is not 0 (the product's columns: always);
+  per-row scales gathered, e8m0 ones as bytes, then the op's multiply of those layouts: ``torch._scaled_mm``
+  for tensor-wise and row-wise, both operands dequantized to bf16 and ``torch.matmul`` for MX and block; a note
+  says which ran), into preallocated outputs, plus the block-reordering copy c10d needs when the gathered /
+  scattered dim is not 0 (the product's columns: always);
 * ``symm_mem`` (baseline, on two or more CUDA GPUs): PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul``
   / ``fused_matmul_reduce_scatter`` with symmetric memory enabled for the group;
 * ``checked`` (variant): the fused op with ``FASTMESH_SHAPE_CHECK=every``, the cross-rank shape check on every
@@ -50,12 +53,33 @@ from fastmesh.bench.figures import Case, Contender
 from fastmesh.bench.timing import time_slowest_rank
 
 import fastmesh
+from fastmesh.fp8.config import Float8Config
 from fastmesh.ops import plans
+from fastmesh.ops._checks import MX_BLOCK
 from fastmesh.ops._collectives import all_gather_into, reduce_scatter_into
+from fastmesh.ops._fp8_operands import (
+    E8M0,
+    check_a_scale,
+    check_b_scale,
+    dequantize,
+    dequantizes,
+    quantize_columns,
+    quantize_rows,
+)
 
 E4M3 = torch.float8_e4m3fn
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}  # float8: out dtype
-FP8_GRANULARITIES = ("rowwise", "tensorwise")
+# The FP8 forms (``--fp8``), by a's scale granularity, and the config that quantizes a per row and b per output
+# column in it ("block": a in 1x128 blocks, b in 128x128).
+_FP8_CONFIGS = {
+    "rowwise": Float8Config(granularity="rowwise"),
+    "tensorwise": Float8Config(granularity="tensorwise"),
+    "mx": Float8Config(granularity="mx"),
+    "block": Float8Config(granularity="block1x128"),
+}
+FP8_GRANULARITIES = tuple(_FP8_CONFIGS)
+# --quick's: the MX and block forms dequantize both operands on every call, which would lengthen CI's run.
+QUICK_FP8_GRANULARITIES = ("rowwise", "tensorwise")
 SHAPE_CHECK = "FASTMESH_SHAPE_CHECK"
 # assert_close (rtol, atol) for unit-scale outputs. fp32: a different blocking of the same dot products. bf16 (and
 # FP8's bf16 output): the rounding of the output (2^-8 relative).
@@ -206,15 +230,41 @@ def cpu_share(fn, group, repeats=3):
 
 
 def _fp8_rows(x, granularity):
-    """x quantized per row (or tensor-wise), as _scaled_mm's first operand takes it."""
-    q = fastmesh.fp8.quantize(x, dtype=E4M3, granularity=granularity)
-    return q.data, q.scale
+    """x [..., K] quantized along its rows in the FP8 form ``granularity``: data and a's scale."""
+    return quantize_rows(x, E4M3, _FP8_CONFIGS[granularity])
 
 
 def _fp8_columns(b, granularity):
-    """b [K, N] quantized per column (or tensor-wise): column-major data, a [1, N] (or 0-d) scale."""
-    data, scale = _fp8_rows(b.t().contiguous(), granularity)
-    return data.t(), scale.t()
+    """b [K, N] quantized per output column in the FP8 form ``granularity``: column-major data and b's scale."""
+    return quantize_columns(b, E4M3, _FP8_CONFIGS[granularity])
+
+
+def _dequantizes(a_ops, b_ops) -> bool:
+    """Whether the fused op multiplies these FP8 operands (each (data, scale)) by dequantizing both (MX or block
+    scales: the op's own rule), rather than through torch._scaled_mm; the baselines then do the same."""
+    (a, a_scale), (b, b_scale) = a_ops, b_ops
+    return dequantizes(check_a_scale(a_scale, a, "bench"), check_b_scale(b_scale, b, "bench"))
+
+
+def multiply_path(dequantized: bool) -> str:
+    """How the FP8 contenders multiply (the note and each row's details say it)."""
+    return "dequantize to bf16 + torch.matmul" if dequantized else "torch._scaled_mm"
+
+
+def _scaled_matmuls(a, a_scale, b_ops, outs, dequantized):
+    """The baselines' multiply of FP8 ``a [..., K]`` by each FP8 ``b [K, N]`` of ``b_ops`` ((data, scale) each) into
+    ``outs``, as the fused op multiplies these layouts: ``dequantized``, a (once) and each b dequantized to the
+    output dtype, then torch.matmul; else torch._scaled_mm."""
+    if dequantized:
+        a = dequantize(a, a_scale, outs[0].dtype)
+        for (b, b_scale), out in zip(b_ops, outs):
+            torch.matmul(a, dequantize(b, b_scale, out.dtype), out=out)
+        return outs
+    rows = a.reshape(-1, a.shape[-1])
+    scale = a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1)
+    for (b, b_scale), out in zip(b_ops, outs):
+        _scaled_mm(rows, scale, b, b_scale, out.view(-1, out.shape[-1]))
+    return outs
 
 
 def _scaled_mm(a2d, a_scale, b, b_scale, out):
@@ -251,6 +301,7 @@ class _Runner:
         self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
         self.fp8 = granularity is not None
         self.fused_op = self.FUSED_OPS[self.fp8]
+        self.dequantized = False  # FP8: whether the multiplies dequantize (set by the kind, from its operands)
 
     @classmethod
     def spec_problem(cls, spec: Spec, world: int) -> str | None:
@@ -310,12 +361,21 @@ class _Gather(_Runner):
                 data = fastmesh.fp8.quantize(a_shard, dtype=E4M3, granularity="tensorwise", scale=scale).data
             self.a_data, self.a_scale = data, scale
             self.b_ops = [_fp8_columns(b, granularity) for b in bs]
+            self.dequantized = _dequantizes((data, scale), self.b_ops[0])
             self.shard = data.view(torch.uint8)  # gloo cannot gather FP8 dtypes: their bytes travel
-            rowwise = granularity == "rowwise"
+            # Per-row scales (row-wise, MX, block) travel with their rows; e8m0 ones as bytes too.
+            per_row = granularity != "tensorwise"
+            self.scale_shard = scale.view(torch.uint8) if scale.dtype == E8M0 else scale
             self.scale_gathered = (
-                torch.empty((world * scale.shape[0], *scale.shape[1:]), device=device) if rowwise else None
+                torch.empty((world * scale.shape[0], *scale.shape[1:]), dtype=self.scale_shard.dtype, device=device)
+                if per_row
+                else None
             )
-            self.scale_full = torch.empty((*self.full_shape[:-1], 1), device=device) if rowwise and self.dim else None
+            self.scale_full = (
+                torch.empty((*self.full_shape[:-1], scale.shape[-1]), dtype=self.scale_shard.dtype, device=device)
+                if per_row and self.dim
+                else None
+            )
         else:
             self.bs, self.shard, self.scale_gathered = bs, a_shard, None
         self.gathered = torch.empty((world * spec.shape[0], *spec.shape[1:]), dtype=self.shard.dtype, device=device)
@@ -347,7 +407,7 @@ class _Gather(_Runner):
     def comm(self):
         self.all_gather(self.gathered, self.shard, group=self.group)
         if self.scale_gathered is not None:
-            self.all_gather(self.scale_gathered, self.a_scale, group=self.group)
+            self.all_gather(self.scale_gathered, self.scale_shard, group=self.group)
 
     def _reorder(self, gathered, full):
         """c10d gathers rank-major along dim 0: the rank blocks moved to dim (into ``full``)."""
@@ -367,19 +427,15 @@ class _Gather(_Runner):
             for b, out in zip(self.bs, self.outs):
                 torch.matmul(a_full, b, out=out)
             return self.outs
-        scale = self.a_scale if self.scale_gathered is None else self._reorder(self.scale_gathered, self.scale_full)
-        return self._scaled_matmuls(a_full.view(E4M3), scale)
-
-    def _scaled_matmuls(self, a_full, scale):
-        rows = a_full.reshape(-1, a_full.shape[-1])
-        scale = scale if scale.dim() == 0 else scale.reshape(-1, 1)
-        for (b, b_scale), out in zip(self.b_ops, self.outs):
-            _scaled_mm(rows, scale, b, b_scale, out.view(-1, out.shape[-1]))
-        return self.outs
+        if self.scale_gathered is None:
+            scale = self.a_scale
+        else:
+            scale = self._reorder(self.scale_gathered, self.scale_full).view(self.a_scale.dtype)
+        return _scaled_matmuls(a_full.view(E4M3), scale, self.b_ops, self.outs, self.dequantized)
 
     def matmul(self):
         if self.fp8:
-            return self._scaled_matmuls(*self.local_full)
+            return _scaled_matmuls(*self.local_full, self.b_ops, self.outs, self.dequantized)
         for b, out in zip(self.bs, self.outs):
             torch.matmul(self.local_full, b, out=out)
         return self.outs
@@ -398,7 +454,7 @@ class _Gather(_Runner):
 class _Product(_Runner):
     """A kind whose ranks multiply their own ``a [..., K]`` by their own ``b [K, N]`` into ``c`` and then move
     the product (the row-parallel linear: the products are summed over the ranks). Its ``matmul`` is that
-    multiply (FP8: a per row, b per column, bf16 out)."""
+    multiply (FP8: a per row, b per output column, bf16 out)."""
 
     def __init__(self, spec, dtype_name, granularity, group, device):
         super().__init__(spec, dtype_name, granularity, group)
@@ -410,16 +466,14 @@ class _Product(_Runner):
         self.b = _random((k, n), dtype, 3000 + self.rank, device, (k * self.world) ** -0.5)
         if self.fp8:
             self.a_ops, self.b_ops = _fp8_rows(self.a, granularity), _fp8_columns(self.b, granularity)
+            self.dequantized = _dequantizes(self.a_ops, self.b_ops)
         self.c = torch.empty((*spec.shape[:-1], n), dtype=dtype, device=device)
         self.flops = 2 * self.c.numel() * k
 
     def matmul(self):
         if not self.fp8:
             return torch.matmul(self.a, self.b, out=self.c)
-        (a, a_scale), (b, b_scale) = self.a_ops, self.b_ops
-        rows = a.reshape(-1, a.shape[-1])
-        scale = a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1)
-        _scaled_mm(rows, scale, b, b_scale, self.c.view(-1, self.c.shape[-1]))
+        _scaled_matmuls(*self.a_ops, [self.b_ops], [self.c], self.dequantized)
         return self.c
 
     def atol_factor(self, dtype_name):
@@ -630,6 +684,11 @@ def skipped(spec: Spec, granularity: str | None, device: torch.device) -> str | 
         return f"{spec.label()} float8 skipped: {spec.op} has no FP8 form"
     if granularity and spec.op == "all_gather_matmul" and spec.dim % len(spec.shape) == len(spec.shape) - 1:
         return f"{spec.label()} float8 skipped: the FP8 form gathers rows only (gather_dim before the last)"
+    if granularity == "mx" and spec.shape[-1] % MX_BLOCK:  # every kind's FP8 form contracts a's last dim
+        return (
+            f"{spec.label()} float8 mx skipped: MX scales need the contraction dim (K = {spec.shape[-1]}) to be a "
+            f"multiple of {MX_BLOCK}"
+        )
     return None
 
 
@@ -644,7 +703,8 @@ def plan_taken(runner) -> dict | None:
 
 
 def run(ctx: Context) -> None:
-    todo = list(cases(ctx, FULL_CASES, QUICK_CASES))
+    granularities = ctx.fp8 or (QUICK_FP8_GRANULARITIES if ctx.quick else FP8_GRANULARITIES)
+    todo = list(cases(ctx, FULL_CASES, QUICK_CASES, granularities))
     ctx.expect(len(todo))
     gloo = ctx.device.type == "cpu"
     for spec, dtype_name, granularity in todo:
@@ -654,6 +714,10 @@ def run(ctx: Context) -> None:
             continue
         runner = _KIND_OF_OP[spec.op](spec, dtype_name, granularity, ctx.group, ctx.device)
         runner.check(dtype_name)
+        if runner.fp8:
+            ctx.note(
+                f"float8 {granularity}: fastmesh, unfused and matmul multiply by {multiply_path(runner.dequantized)}"
+            )
         candidates = {"fastmesh": runner.fastmesh, "checked": functools.partial(_checked, runner.fastmesh)}
         candidates["unfused"] = runner.unfused
         symm_note = _symm_mem_note(ctx, runner)
@@ -683,6 +747,8 @@ def run(ctx: Context) -> None:
                 "bound", [m + share * t for m, t in zip(timings["matmul"], timings["p2p"])], *flops
             )
             details["p2p_cpu_share"] = share
+        if runner.fp8:
+            details["multiply"] = multiply_path(runner.dequantized)
         label = runner.label
         params = case_params(spec, granularity, ctx.group.size())
         ctx.emit(

@@ -3,6 +3,7 @@
     fastmesh bench --quick                       # every family, small (a few minutes on 2 CPU cores)
     fastmesh bench                               # every family, the full case lists
     fastmesh bench --only fused_collectives --dtype float32 --case fused_collectives=ag:4096x4096:0:1024
+    fastmesh bench --only fused_collectives --dtype float8 --fp8 rowwise mx block   # these FP8 forms
     torchrun --nproc-per-node 4 -m fastmesh.bench.runner --quick   # the world torchrun gives
     fastmesh bench --device cuda                 # on GPUs (distributed families need two or more)
 
@@ -40,6 +41,7 @@ class Plan:
     warmup: int
     dtypes: tuple[str, ...]
     cases: dict[str, list[str]] = field(default_factory=dict)
+    fp8: tuple[str, ...] = ()  # fused_collectives' FP8 forms; empty: its defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DTYPES,
         default=list(DTYPES),
         help="dtypes to measure (each family takes those it has; float8: the FP8 forms)",
+    )
+    parser.add_argument(
+        "--fp8",
+        nargs="+",
+        choices=fused_collectives.FP8_GRANULARITIES,
+        default=[],
+        metavar="GRANULARITY",
+        help="the FP8 forms of fused_collectives' float8 cases, by scale granularity "
+        f"({', '.join(fused_collectives.FP8_GRANULARITIES)}; block: a 1x128, b 128x128). Default: all of them, "
+        f"{' and '.join(fused_collectives.QUICK_FP8_GRANULARITIES)} with --quick",
     )
     parser.add_argument(
         "--case",
@@ -127,7 +139,10 @@ def _plan(args, parser, device_type: str, world: int) -> Plan:
     unused = sorted(set(cases) - set(families))
     if unused:
         parser.error(f"--case given for {', '.join(unused)}, which --only leaves out")
-    return Plan(families, device_type, args.quick, repeats, warmup, tuple(args.dtype), cases)
+    if args.fp8 and (fused_collectives.FAMILY.name not in families or "float8" not in args.dtype):
+        parser.error("--fp8 selects the FP8 forms of fused_collectives: it needs that family and --dtype float8")
+    fp8 = tuple(dict.fromkeys(args.fp8))  # in the given order, once each
+    return Plan(families, device_type, args.quick, repeats, warmup, tuple(args.dtype), cases, fp8)
 
 
 def _context(plan: Plan, name: str, leader: bool, group=None, mesh=None) -> Context:
@@ -145,6 +160,7 @@ def _context(plan: Plan, name: str, leader: bool, group=None, mesh=None) -> Cont
         dtypes=plan.dtypes,
         cases=plan.cases.get(name, []),
         clock=clock_for(device),
+        fp8=plan.fp8,
         leader=leader,
         group=group,
         mesh=mesh,
@@ -241,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": plan.warmup,
         "dtypes": list(plan.dtypes),
         "cases": plan.cases,
+        "fp8": list(plan.fp8),
         "allocator": allocator,
         "launcher": "torchrun" if under_torchrun else "elastic_launch",
         "world": world,

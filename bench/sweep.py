@@ -101,7 +101,7 @@ class _GatherForms(_Gather):
     def unfused_list(self):
         dist.all_gather(self.gathered_blocks, self.shard, group=self.group)
         if self.scale_blocks is not None:
-            dist.all_gather(self.scale_blocks, self.a_scale, group=self.group)
+            dist.all_gather(self.scale_blocks, self.scale_shard, group=self.group)
         return self.multiply_gathered()
 
 

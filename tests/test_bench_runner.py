@@ -99,7 +99,7 @@ def test_runner_every_family_on_tiny_sizes(tmp_path):
     rows = result["families"]
     # float32 and float8 only: the quantize families measure float32; fused collectives both, in both ops' FP8 forms.
     assert {r["dtype"] for r in rows["fp8_quantize"]["rows"]} == {"float32"}
-    assert len(rows["fp8_quantize"]["rows"]) == 5  # 4 granularities + the given scale
+    assert len(rows["fp8_quantize"]["rows"]) == 7  # 4 granularities, the given scale, the MX cast (floor, rceil)
     fused = rows["fused_collectives"]["rows"]
     # float32: 5 cases; float8: each case row-wise and tensor-wise, but for the gather of the last dim (noted);
     # row-wise only where torch's CPU _scaled_mm takes it
@@ -166,6 +166,34 @@ def test_sweep_names_each_plan_and_summarizes(tmp_path):
     assert "- note: summary all: 4 shapes" in (out / "bench.md").read_text()
 
 
+def test_fused_collectives_block_scaled_forms(tmp_path):
+    # MX and block scales in each op with an FP8 form: a gather of dim 1 (the scales reordered with their rows)
+    # into two b's, and a K that MX cannot block (48: noted, block runs); each checked against its baseline.
+    cases = ["ag:2x32x128:1:16,8", "rs:64x48:0:64", "ar:2x32x64:40"]
+    result, stdout, _ = _run(
+        ["--only", "fused_collectives", "--dtype", "float8", "--fp8", "mx", "block", "--no-plots", *TINY]
+        + [arg for case in cases for arg in ("--case", f"fused_collectives={case}")],
+        tmp_path,
+    )
+    assert result["meta"]["run"]["fp8"] == ["mx", "block"]
+    family = result["families"]["fused_collectives"]
+    rows = family["rows"]
+    _check_rows(rows, "fused_collectives")
+    assert [(r["params"]["op"], r["params"]["granularity"]) for r in rows] == [
+        ("all_gather_matmul", "mx"),
+        ("all_gather_matmul", "block"),
+        ("matmul_reduce_scatter", "block"),
+        ("matmul_all_reduce", "mx"),
+        ("matmul_all_reduce", "block"),
+    ]
+    assert all(r["details"]["multiply"] == "dequantize to bf16 + torch.matmul" for r in rows)
+    notes = " ".join(family["notes"])
+    assert "N=64 float8 mx skipped: MX scales need the contraction dim (K = 48)" in notes
+    for granularity in ("mx", "block"):
+        assert f"float8 {granularity}: fastmesh, unfused and matmul multiply by dequantize to bf16" in notes
+    assert "fp8 block" in stdout
+
+
 @pytest.mark.smoke
 def test_runner_single_process_family(tmp_path):
     result, _, _ = _run(
@@ -225,6 +253,7 @@ def test_runner_under_torchrun_uses_its_world(tmp_path):
         (["--only", "amax", "--case", "tp_block=2x64x256x256"], "--case given for tp_block, which --only leaves out"),
         (["--repeats", "1"], "--repeats must be at least 2"),
         (["--world", "0"], "--world must be >= 1"),
+        (["--dtype", "float32", "--fp8", "mx"], "--fp8 selects the FP8 forms of fused_collectives"),
     ],
 )
 def test_bad_options_are_named(args, message, capsys):
