@@ -50,6 +50,14 @@ def extension_and_cmdclass():
     class BuildWithInfo(BuildExtension):
         """Writes the build-metadata header into the build folder before compiling."""
 
+        def finalize_options(self):
+            super().finalize_options()
+            if getattr(self, "editable_mode", False) or self.inplace:
+                # setuptools gives each editable build a new temporary build folder, so a second
+                # `pip install -e` (the README's test command after its install command) recompiled every
+                # source; in a fixed folder ninja rebuilds only what changed.
+                self.build_temp = os.path.join(ROOT, "build", "editable")
+
         def build_extensions(self):
             generated = os.path.join(os.path.abspath(self.build_temp), "fastmesh_generated")
             config.write_if_changed(
