@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "fastmesh/checks.h"
+#include "fastmesh/mx_math.h"
 
 namespace fastmesh {
 namespace fused {
@@ -35,8 +36,7 @@ enum class Scaling { kTensorwise, kRowwise, kMx, kBlock };
 
 inline bool has_block_scales(Scaling s) { return s == Scaling::kMx || s == Scaling::kBlock; }
 
-// Elements per scale along a blocked dim: 32 for MX (E8M0 scales), 128 for block (float32) scales.
-constexpr int64_t kMxScaleBlock = 32;
+// Elements per block scale (float32) along a blocked dim; MX (E8M0) scales cover kMxBlock (mx_math.h).
 constexpr int64_t kScaleBlock = 128;
 
 inline int64_t scale_groups(int64_t size, int64_t block) { return (size + block - 1) / block; }
@@ -57,10 +57,10 @@ inline Scaling check_scale(const at::Tensor& scale, const at::Tensor& data, cons
   TORCH_CHECK_VALUE(scale.device() == data.device(), op, ": ", arg, " must be on ", data_arg, "'s device ",
                     data.device(), ", got ", scale.device());
   if (dtype == at::kFloat8_e8m0fnu) {
-    TORCH_CHECK_VALUE(k % kMxScaleBlock == 0, op, ": ", arg, " is an MX scale (float8_e8m0fnu): ", data_arg,
-                      "'s contraction dim must be a multiple of ", kMxScaleBlock, ", got ", k);
+    TORCH_CHECK_VALUE(k % kMxBlock == 0, op, ": ", arg, " is an MX scale (float8_e8m0fnu): ", data_arg,
+                      "'s contraction dim must be a multiple of ", kMxBlock, ", got ", k);
     TORCH_CHECK_VALUE(scale.sizes() == at::IntArrayRef(shapes.mx), op, ": ", arg, " must have shape ",
-                      at::IntArrayRef(shapes.mx), " (MX: one scale per ", kMxScaleBlock, " elements along K), got ",
+                      at::IntArrayRef(shapes.mx), " (MX: one scale per ", kMxBlock, " elements along K), got ",
                       scale.sizes());
     return Scaling::kMx;
   }
@@ -108,7 +108,7 @@ inline Scaling check_a_scale(const at::Tensor& a_scale, const at::Tensor& a, con
   std::vector<int64_t> lead(a.sizes().begin(), a.sizes().end() - 1);
   ScaleShapes shapes{lead, lead, lead};
   shapes.rowwise.push_back(1);
-  shapes.mx.push_back(k / kMxScaleBlock);
+  shapes.mx.push_back(k / kMxBlock);
   shapes.block.push_back(scale_groups(k, kScaleBlock));
   return check_scale(a_scale, a, shapes, k, op, scale_arg, a_arg);
 }
@@ -117,8 +117,7 @@ inline Scaling check_a_scale(const at::Tensor& a_scale, const at::Tensor& a, con
 inline Scaling check_b_scale(const at::Tensor& b_scale, const at::Tensor& b, const char* op,
                              const std::string& scale_arg, const std::string& b_arg) {
   const int64_t k = b.size(0), n = b.size(1);
-  const ScaleShapes shapes{
-      {1, n}, {k / kMxScaleBlock, n}, {scale_groups(k, kScaleBlock), scale_groups(n, kScaleBlock)}};
+  const ScaleShapes shapes{{1, n}, {k / kMxBlock, n}, {scale_groups(k, kScaleBlock), scale_groups(n, kScaleBlock)}};
   return check_scale(b_scale, b, shapes, k, op, scale_arg, b_arg);
 }
 
@@ -155,7 +154,7 @@ inline at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scale, at
   at::Tensor values = data.to(at::kFloat);
   at::Tensor s = scale.to(at::kFloat);
   if (s.dim() == 0) return values.mul_(s).to(dtype);
-  const int64_t block = scale.scalar_type() == at::kFloat8_e8m0fnu ? kMxScaleBlock : kScaleBlock;
+  const int64_t block = scale.scalar_type() == at::kFloat8_e8m0fnu ? kMxBlock : kScaleBlock;
   // Where the blocks tile a dim exactly, a blocked dim of `values` is split into (groups, block) and the scale
   // broadcast over the block: no expanded copy of the scale. A partial last block (block scales) expands it.
   std::vector<int64_t> value_sizes, scale_sizes;

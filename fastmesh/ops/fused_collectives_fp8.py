@@ -136,8 +136,11 @@ def _scaled_matmul_reduce_scatter_fake(a, a_scale, b, b_scale, scatter_dim, redu
 # ---- kernels: a plan per call (fastmesh/ops/plans.py), then the C++ schedule ----
 
 
-def scaled_gather_plan_call(a_shard, a_scale, bs, dim: int, group_name: str, out_dtype) -> plans.Call:
-    """The planner's view of an all_gather_scaled_matmul call (also asked by the compile pass)."""
+def scaled_gather_plan_call(
+    a_shard, a_scale, bs, dim: int, group_name: str, out_dtype, a_layout: str | None = None
+) -> plans.Call:
+    """The planner's view of an all_gather_scaled_matmul call (also asked by the compile pass); ``a_layout``:
+    a_scale's layout where the caller has checked it."""
     # One multiply over every rank's rows needs a scale per row: tensor-wise shards keep one multiply per rank.
     return plans.gather_call(
         _AG,
@@ -146,13 +149,16 @@ def scaled_gather_plan_call(a_shard, a_scale, bs, dim: int, group_name: str, out
         a_shard,
         [b.shape[1] for b in bs],
         dim,
-        extra=(("a_scale", check_a_scale(a_scale, a_shard, _AG)), ("out_dtype", str(out_dtype))),
+        extra=(("a_scale", a_layout or check_a_scale(a_scale, a_shard, _AG)), ("out_dtype", str(out_dtype))),
         allow_unfused=a_scale.dim() > 0,
     )
 
 
-def scaled_scatter_plan_call(a, a_scale, b, b_scale, dim: int, group_name: str, out_dtype) -> plans.Call:
-    """The planner's view of a scaled_matmul_reduce_scatter call."""
+def scaled_scatter_plan_call(
+    a, a_scale, b, b_scale, dim: int, group_name: str, out_dtype, layouts: tuple[str, str] | None = None
+) -> plans.Call:
+    """The planner's view of a scaled_matmul_reduce_scatter call; ``layouts``: the scales' layouts where the
+    caller has checked them."""
     # CUDA's scaled matmul wants widths in multiples of 16, which column pieces would not keep.
     return plans.scatter_call(
         _RS,
@@ -162,7 +168,7 @@ def scaled_scatter_plan_call(a, a_scale, b, b_scale, dim: int, group_name: str, 
         b.shape[1],
         dim,
         out_dtype,
-        extra=(("scales", ",".join(check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _RS))),),
+        extra=(("scales", ",".join(layouts or check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _RS))),),
         columns_pieces=a.device.type != "cuda",
     )
 
@@ -191,7 +197,9 @@ def _all_gather_scaled_matmul_kernel(
     if a_shard.numel() == 0:
         return run(plans.FIXED)
     return run(
-        plans.decide(scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype), pieces, run).plan
+        plans.decide(
+            scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype, a_layout), pieces, run
+        ).plan
     )
 
 
@@ -216,7 +224,7 @@ def _scaled_matmul_reduce_scatter_kernel(
     check_same_shapes(group_name, _RS, {"a @ b": a.new_empty((), dtype=out_dtype).expand(product)})
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
-    call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, group_name, out_dtype)
+    call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, group_name, out_dtype, layouts)
     return run(plans.decide(call, pieces, run).plan)
 
 

@@ -97,9 +97,12 @@ def plan_call(a, b, group_name: str) -> plans.Call:
     return plans.product_call(_OP, "all_reduce", resolve_group(group_name, _OP), group_name, a, b.shape[1], a.dtype)
 
 
-def scaled_plan_call(a, a_scale, b, b_scale, group_name: str, out_dtype) -> plans.Call:
-    """The planner's view of a scaled_matmul_all_reduce call."""
-    scales = (("scales", ",".join(check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _SOP))),)
+def scaled_plan_call(
+    a, a_scale, b, b_scale, group_name: str, out_dtype, layouts: tuple[str, str] | None = None
+) -> plans.Call:
+    """The planner's view of a scaled_matmul_all_reduce call; ``layouts``: the scales' layouts where the caller
+    has checked them."""
+    scales = (("scales", ",".join(layouts or check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _SOP))),)
     return plans.product_call(
         _SOP, "all_reduce", resolve_group(group_name, _SOP), group_name, a, b.shape[1], out_dtype, scales
     )
@@ -123,7 +126,8 @@ def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
 
 def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, pieces=0):
     world = group_size(group_name, _SOP)
-    log_multiply(_SOP, a.device, *_check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces))
+    layouts = _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces)
+    log_multiply(_SOP, a.device, *layouts)
     ext = _cpp_lib.load()
 
     def run(plan: plans.Plan):
@@ -136,7 +140,7 @@ def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_na
     check_same_shapes(group_name, _SOP, {"a @ b": a.new_empty((), dtype=out_dtype).expand(_product_shape(a, b))})
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
-    return run(plans.decide(scaled_plan_call(a, a_scale, b, b_scale, group_name, out_dtype), pieces, run).plan)
+    return run(plans.decide(scaled_plan_call(a, a_scale, b, b_scale, group_name, out_dtype, layouts), pieces, run).plan)
 
 
 for _device in ("CPU", "CUDA"):
