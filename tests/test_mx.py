@@ -102,6 +102,20 @@ def test_mx_transpose_casts_the_columns(rounding):
         assert torch.equal(got[4].view(torch.uint8), columns.scale.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", INPUTS)
+def test_mx_block_amax_finds_the_max_at_every_position(dtype):
+    """The kernel reduces MX blocks four at a time through lane shuffles (and the rest one by one): a row per
+    position, whose largest magnitude (negative, so that the sign must be masked) lies at that position, among
+    smaller values of both signs. 224 columns: one group of four blocks and three blocks after it."""
+    k = 224
+    x = (torch.rand(k, k, generator=torch.Generator().manual_seed(3)) * 2 - 1).to(dtype)
+    x.diagonal().fill_(-2.0)
+    got = fastmesh.fp8.quantize(x, dtype=E4M3, granularity="mx")
+    want = x.float().abs().unflatten(-1, (-1, 32)).amax(-1)
+    assert torch.equal(got.amax, want)
+    assert torch.equal(got.amax[torch.arange(k), torch.arange(k) // 32], torch.full((k,), 2.0))
+
+
 def test_mx_special_blocks():
     """The rules' corner cases, block by block (e4m3fn): an all-zero block, a subnormal one, one at the max, an
     infinite and a NaN block."""

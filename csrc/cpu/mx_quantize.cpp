@@ -7,12 +7,12 @@
 // while the row is in L1; with transpose, then the stripe's column maxima (the stripe is still in L2) and the cast
 // of each of its column tiles into a small buffer, written transposed.
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cast_loops.h"
@@ -36,23 +36,47 @@ struct MxOutputs {
   uint8_t* scale_t = nullptr;  // [k, m / 32]
 };
 
-// scale[i] and q[i] of n blocks whose largest magnitudes (as bits of the input's width) are `maxes`; amax[i] too.
-template <typename scalar_t>
-void block_scales(const bits_t<scalar_t>* maxes, int64_t n, Fp8Format format, MxRounding rounding, float* amax,
-                  uint8_t* scale, float* q) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = to_float<scalar_t>(maxes[i]);
-    const uint8_t bits = mx_scale_bits(a, format, rounding);
-    amax[i] = a;
-    scale[i] = bits;
-    q[i] = mx_multiplier(bits, rounding);
+template <MxRounding kRounding>
+using RoundingTag = std::integral_constant<MxRounding, kRounding>;
+using Floor = RoundingTag<MxRounding::kFloor>;
+using Rceil = RoundingTag<MxRounding::kRceil>;
+
+// scale[i] and q[i] of n blocks whose largest magnitudes are amax[i], in two loops: with q computed from the bits
+// in the same loop, GCC threads mx_multiplier's tests of the bits back into mx_scale_bits' selects and the loop
+// stays scalar under RCEIL (1.8 ns per block vs 0.6 vectorized, AVX-512). One cloned function per (format,
+// rounding), so that the rounding is no runtime test either.
+template <Fp8Format kFormat, MxRounding kRounding>
+FASTMESH_ALWAYS_INLINE void block_scales_impl(const float* amax, int64_t n, uint8_t* __restrict scale,
+                                              float* __restrict q) {
+  for (int64_t i = 0; i < n; ++i) scale[i] = mx_scale_bits(amax[i], kFormat, kRounding);
+  for (int64_t i = 0; i < n; ++i) q[i] = mx_multiplier(scale[i], kRounding);
+}
+
+#define FASTMESH_DEFINE_BLOCK_SCALES(FormatTag, RoundTag)                                                              \
+  FASTMESH_CPU_CLONES void block_scales(const float* amax, int64_t n, uint8_t* scale, float* q, FormatTag, RoundTag) { \
+    block_scales_impl<FormatTag::value, RoundTag::value>(amax, n, scale, q);                                           \
+  }
+FASTMESH_DEFINE_BLOCK_SCALES(E4M3, Floor)
+FASTMESH_DEFINE_BLOCK_SCALES(E4M3, Rceil)
+FASTMESH_DEFINE_BLOCK_SCALES(E5M2, Floor)
+FASTMESH_DEFINE_BLOCK_SCALES(E5M2, Rceil)
+#undef FASTMESH_DEFINE_BLOCK_SCALES
+
+// amax[i], scale[i] and q[i] of n blocks whose largest magnitudes (as bits of the input's width) are `maxes`.
+template <typename scalar_t, typename Tag>
+void block_scales(const bits_t<scalar_t>* maxes, int64_t n, MxRounding rounding, float* amax, uint8_t* scale,
+                  float* q) {
+  write_amax<scalar_t>(maxes, n, amax);
+  if (rounding == MxRounding::kFloor) {
+    block_scales(amax, n, scale, q, Tag{}, Floor{});
+  } else {
+    block_scales(amax, n, scale, q, Tag{}, Rceil{});
   }
 }
 
 template <typename scalar_t, typename Tag>
 void cast_stripe(Panel<const scalar_t> stripe, int64_t row0, int64_t m, MxRounding rounding, const MxOutputs& out,
                  std::vector<bits_t<scalar_t>>& maxes, std::vector<float>& q) {
-  constexpr Fp8Format kFormat = Tag::value;
   const int64_t k = stripe.cols, blocks = k / kMxBlock;
   // Rows, one at a time (its block maxima, then its cast, while the row is in L1): blocks of 32 along k.
   maxes.resize(std::max(blocks, k));
@@ -61,7 +85,7 @@ void cast_stripe(Panel<const scalar_t> stripe, int64_t row0, int64_t m, MxRoundi
     const auto row = stripe.sub(r, 0, 1, k);
     const int64_t first = (row0 + r) * blocks;
     max_magnitude_blocks(as_bits(row), kMxBlock, maxes.data());
-    block_scales<scalar_t>(maxes.data(), blocks, kFormat, rounding, out.amax + first, out.scale + first, q.data());
+    block_scales<scalar_t, Tag>(maxes.data(), blocks, rounding, out.amax + first, out.scale + first, q.data());
     // The next row's reads overlap this row's cast (quantize_overlapped).
     const auto next = r + 1 < stripe.rows ? stripe.sub(r + 1, 0, 1, k) : stripe.sub(0, 0, 0, k);
     quantize_overlapped<scalar_t, Tag>(row, kMxBlock, q.data(), blocks,
@@ -75,7 +99,7 @@ void cast_stripe(Panel<const scalar_t> stripe, int64_t row0, int64_t m, MxRoundi
   const int64_t block = row0 / kMxBlock, blocks_t = m / kMxBlock;
   std::vector<float> amax_t(k);  // what the op does not return: the columns' amax
   std::vector<uint8_t> scale_t(k);
-  block_scales<scalar_t>(maxes.data(), k, kFormat, rounding, amax_t.data(), scale_t.data(), q.data());
+  block_scales<scalar_t, Tag>(maxes.data(), k, rounding, amax_t.data(), scale_t.data(), q.data());
   for (int64_t c = 0; c < k; ++c) out.scale_t[c * blocks_t + block] = scale_t[c];
   uint8_t tile[kMxBlock * kTileCols];
   for (int64_t c0 = 0; c0 < k; c0 += kTileCols) {
@@ -98,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   scale_sizes.back() /= kMxBlock;
   at::Tensor data = at::empty(x.sizes(), x.options().dtype(dtype));
   at::Tensor scale = at::empty(scale_sizes, x.options().dtype(at::kFloat8_e8m0fnu));
-  at::Tensor amax = at::zeros(scale_sizes, float_options);
+  at::Tensor amax = at::empty(scale_sizes, float_options);  // every block's is written
   std::optional<at::Tensor> data_t, scale_t;
   if (transpose) {
     data_t = at::empty({rows.k, rows.m}, x.options().dtype(dtype));
