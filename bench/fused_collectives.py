@@ -10,9 +10,9 @@ For each op, dtype and shape, the contenders run round-robin (interleaved rounds
 * ``unfused`` (baseline): the c10d all-gather then ``matmul`` per b / ``matmul`` then the c10d reduce-scatter /
   ``matmul`` then the c10d all-reduce / ``matmul`` then the c10d all-gather (FP8: the FP8 bytes and their
   per-row scales gathered, e8m0 ones as bytes, then the op's multiply of those layouts: ``torch._scaled_mm``
-  for tensor-wise and row-wise, both operands dequantized to bf16 and ``torch.matmul`` for MX and block; a note
-  says which ran), into preallocated outputs, plus the block-reordering copy c10d needs when the gathered /
-  scattered dim is not 0 (the product's columns: always);
+  for tensor-wise, row-wise and, on SM90, 1x128 x 128x128 block scales, both operands dequantized to bf16 and
+  ``torch.matmul`` for MX and other block scales; a note says which ran), into preallocated outputs, plus the
+  block-reordering copy c10d needs when the gathered / scattered dim is not 0 (the product's columns: always);
 * ``symm_mem`` (baseline, on two or more CUDA GPUs): PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul``
   / ``fused_matmul_reduce_scatter`` with symmetric memory enabled for the group;
 * ``checked`` (variant): the fused op with ``FASTMESH_SHAPE_CHECK=every``, the cross-rank shape check on every
@@ -239,31 +239,33 @@ def _fp8_columns(b, granularity):
     return quantize_columns(b, E4M3, _FP8_CONFIGS[granularity])
 
 
-def _dequantizes(a_ops, b_ops) -> bool:
-    """Whether the fused op multiplies these FP8 operands (each (data, scale)) by dequantizing both (MX or block
-    scales: the op's own rule), rather than through torch._scaled_mm; the baselines then do the same."""
+def _dequantizes(a_ops, b_ops, column_part=None) -> bool:
+    """Whether the fused op multiplies these FP8 operands (each (data, scale)) into bf16 by dequantizing both (MX
+    or block scales torch does not take: the op's own rule, ``column_part`` its), rather than through
+    torch._scaled_mm; the baselines then do the same."""
     (a, a_scale), (b, b_scale) = a_ops, b_ops
-    return dequantizes(check_a_scale(a_scale, a, "bench"), check_b_scale(b_scale, b, "bench"))
+    layouts = check_a_scale(a_scale, a, "bench"), check_b_scale(b_scale, b, "bench")
+    return dequantizes(a.dtype, b, layouts, torch.bfloat16, column_part)
 
 
-def multiply_path(dequantized: bool) -> str:
-    """How the FP8 contenders multiply (the note and each row's details say it)."""
-    return "dequantize to bf16 + torch.matmul" if dequantized else "torch._scaled_mm"
+def multiply_path(dequantized: list[bool]) -> str:
+    """How the FP8 contenders multiply (the note and each row's details say it), per b."""
+    paths = ["dequantize to bf16 + torch.matmul" if d else "torch._scaled_mm" for d in dequantized]
+    return " / ".join(dict.fromkeys(paths))
 
 
 def _scaled_matmuls(a, a_scale, b_ops, outs, dequantized):
     """The baselines' multiply of FP8 ``a [..., K]`` by each FP8 ``b [K, N]`` of ``b_ops`` ((data, scale) each) into
-    ``outs``, as the fused op multiplies these layouts: ``dequantized``, a (once) and each b dequantized to the
-    output dtype, then torch.matmul; else torch._scaled_mm."""
-    if dequantized:
-        a = dequantize(a, a_scale, outs[0].dtype)
-        for (b, b_scale), out in zip(b_ops, outs):
-            torch.matmul(a, dequantize(b, b_scale, out.dtype), out=out)
-        return outs
+    ``outs``, as the fused op multiplies these layouts: where ``dequantized`` (per b), a (once) and b dequantized
+    to the output dtype, then torch.matmul; else torch._scaled_mm."""
+    a_values = dequantize(a, a_scale, outs[0].dtype) if any(dequantized) else None
     rows = a.reshape(-1, a.shape[-1])
-    scale = a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, 1)
-    for (b, b_scale), out in zip(b_ops, outs):
-        _scaled_mm(rows, scale, b, b_scale, out.view(-1, out.shape[-1]))
+    scale = a_scale if a_scale.dim() == 0 else a_scale.reshape(-1, a_scale.shape[-1])
+    for (b, b_scale), out, dequantize_b in zip(b_ops, outs, dequantized):
+        if dequantize_b:
+            torch.matmul(a_values, dequantize(b, b_scale, out.dtype), out=out)
+        else:
+            _scaled_mm(rows, scale, b, b_scale, out.view(-1, out.shape[-1]))
     return outs
 
 
@@ -271,11 +273,25 @@ def _scaled_mm(a2d, a_scale, b, b_scale, out):
     """The baselines' scaled matmul, in its fastest form: as fastmesh's (csrc/fused/scaled.h), tensor-wise scales
     go the row-wise way on CPU, where torch's tensor-wise CPU path can be oneDNN's reference kernel (~300x
     slower on CPUs with AVX512-FP16)."""
+    if a_scale.dim() and a_scale.shape[1] > 1:  # 1x128 x 128x128 block scales
+        return _block_scaled_mm(a2d, a_scale, b, b_scale, out)
     rowwise = a_scale.dim() or b_scale.dim() or (a2d.device.type == "cpu" and rowwise_scaled_mm_on_cpu())
     if rowwise:
         a_scale = a_scale.expand(a2d.shape[0], 1).contiguous()
         b_scale = b_scale.expand(1, b.shape[1]).contiguous()
     return torch._scaled_mm(a2d, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out.dtype, out=out)
+
+
+def _block_scaled_mm(a2d, a_scale, b, b_scale, out):
+    """torch._scaled_mm's 1x128 x 128x128 block form as fastmesh calls it (csrc/fused/scaled.h: scales
+    column-major, M padded to a multiple of 4)."""
+    m, pad = a2d.shape[0], -a2d.shape[0] % 4
+    a2d = torch.nn.functional.pad(a2d.view(torch.uint8), (0, 0, 0, pad)).view(a2d.dtype)
+    a_scale = torch.nn.functional.pad(a_scale, (0, 0, 0, pad), value=1.0).t().contiguous().t()
+    b_scale = b_scale.t().contiguous().t()
+    if pad == 0:
+        return torch._scaled_mm(a2d, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out.dtype, out=out)
+    return out.copy_(torch._scaled_mm(a2d, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out.dtype)[:m])
 
 
 class _Runner:
@@ -301,7 +317,7 @@ class _Runner:
         self.label = spec.label() + (f" fp8 {granularity}" if granularity else "")
         self.fp8 = granularity is not None
         self.fused_op = self.FUSED_OPS[self.fp8]
-        self.dequantized = False  # FP8: whether the multiplies dequantize (set by the kind, from its operands)
+        self.dequantized = [False]  # FP8: whether each b's multiply dequantizes (set by the kind, from its operands)
 
     @classmethod
     def spec_problem(cls, spec: Spec, world: int) -> str | None:
@@ -361,7 +377,7 @@ class _Gather(_Runner):
                 data = fastmesh.fp8.quantize(a_shard, dtype=E4M3, granularity="tensorwise", scale=scale).data
             self.a_data, self.a_scale = data, scale
             self.b_ops = [_fp8_columns(b, granularity) for b in bs]
-            self.dequantized = _dequantizes((data, scale), self.b_ops[0])
+            self.dequantized = [_dequantizes((data, scale), b_op) for b_op in self.b_ops]
             self.shard = data.view(torch.uint8)  # gloo cannot gather FP8 dtypes: their bytes travel
             # Per-row scales (row-wise, MX, block) travel with their rows; e8m0 ones as bytes too.
             per_row = granularity != "tensorwise"
@@ -466,7 +482,7 @@ class _Product(_Runner):
         self.b = _random((k, n), dtype, 3000 + self.rank, device, (k * self.world) ** -0.5)
         if self.fp8:
             self.a_ops, self.b_ops = _fp8_rows(self.a, granularity), _fp8_columns(self.b, granularity)
-            self.dequantized = _dequantizes(self.a_ops, self.b_ops)
+            self.dequantized = [_dequantizes(self.a_ops, self.b_ops)]
         self.c = torch.empty((*spec.shape[:-1], n), dtype=dtype, device=device)
         self.flops = 2 * self.c.numel() * k
 
@@ -493,6 +509,8 @@ class _Scatter(_Product):
         world, dtype = self.world, self.c.dtype
         self.reduce_scatter = reduce_scatter_into
         self.dim = spec.dim % self.c.dim()
+        if self.fp8 and self.dim == self.c.dim() - 1:  # the op multiplies each rank's n / W columns alone
+            self.dequantized = [_dequantizes(self.a_ops, self.b_ops, self.b.shape[1] // world)]
         out_shape = list(self.c.shape)
         out_shape[self.dim] //= world
         self.out = torch.empty(out_shape, dtype=dtype, device=device)

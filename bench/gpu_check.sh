@@ -16,10 +16,11 @@
 #              NCCL with two GPUs, gloo on one; bit-exact against mm + all_reduce, autograd, fp8=; speed)
 #   tests      pytest tests/test_chunked_matmul.py tests/test_chunked_gather.py tests/test_fp8_triton.py
 #              tests/test_mx.py tests/test_mx_triton.py tests/test_matmul_all_reduce.py tests/test_matmul_all_gather.py
-#              tests/test_fused_collectives_fp8.py tests/test_faults.py (their CUDA tests run on a GPU: the consumer
+#              tests/test_fused_collectives_fp8.py tests/test_fused_block_scaled.py tests/test_faults.py (their CUDA
+#              tests run on a GPU: the block-scaled ops through torch._scaled_mm on SM90, the consumer
 #              GEMM's waits, the fused all-gather's loopback path; the multi-rank tests run over NCCL with a GPU per
 #              rank, else on gloo; the MX tests run the MX cast's CPU kernel and its Triton kernel, interpreted and
-#              compiled for sm_90, on the GPU machine's torch and triton; the last two check the FP8 scaled
+#              compiled for sm_90, on the GPU machine's torch and triton; the last three check the FP8 scaled
 #              multiply and the transfers' timeouts on the GPU machine's torch, 2.11)
 #   bench      fastmesh bench --device cuda --quick --dtype bfloat16 (table, OUT_DIR/bench/bench.json; the
 #              fused ops' quick cases, "ar:" and "mg:" among them; its distributed families need two or
@@ -60,6 +61,6 @@ step chunked "$PY" bench/gpu_check_chunked_matmul.py $QUICK_FLAG --json "$OUT_DI
 step all-reduce "$PY" bench/gpu_check_matmul_all_reduce.py $QUICK_FLAG --json "$OUT_DIR/matmul_all_reduce.json"
 step tests "$PY" -m pytest -q -rfEs tests/test_chunked_matmul.py tests/test_chunked_gather.py tests/test_fp8_triton.py \
   tests/test_mx.py tests/test_mx_triton.py tests/test_matmul_all_reduce.py tests/test_matmul_all_gather.py \
-  tests/test_fused_collectives_fp8.py tests/test_faults.py
+  tests/test_fused_collectives_fp8.py tests/test_fused_block_scaled.py tests/test_faults.py
 step bench timeout 240 "$PY" -m fastmesh.bench.runner --device cuda --quick --dtype bfloat16 --out "$OUT_DIR/bench"
 exit $failed

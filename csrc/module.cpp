@@ -15,6 +15,7 @@
 #include "fastmesh/pipeline.h"
 #include "fused/fused_ops.h"
 #include "fused/process_group.h"
+#include "fused/scaled.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastmesh C++/CUDA kernels (registered under torch.ops.fastmesh)";
@@ -119,6 +120,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "fastmesh::scaled_matmul_all_reduce with the given schedule (split \"rows\" or \"none\").", arg("a"),
       arg("a_scale"), arg("b"), arg("b_scale"), arg("reduce_op"), arg("group_name"), arg("out_dtype"), arg("pieces"),
       arg("split"), gil);
+  m.def(
+      "block_scaled_mm_runs",
+      [](at::ScalarType a_dtype, const at::Tensor& b, at::ScalarType out_dtype, int64_t column_part) {
+        using fastmesh::fused::Scaling;
+        return fastmesh::fused::block_scaled_mm_runs({Scaling::kBlock, Scaling::kBlock}, a_dtype, b, out_dtype,
+                                                     column_part);
+      },
+      "Whether the scaled fused ops multiply a 1x128-scaled a (of `a_dtype`) by the 128x128-scaled `b` through "
+      "torch._scaled_mm, in column slices `column_part` wide, rather than dequantize-and-multiply "
+      "(csrc/fused/scaled.h).",
+      arg("a_dtype"), arg("b"), arg("out_dtype"), arg("column_part"));
   m.def(
       "check_same_shapes_on_all_ranks",
       [](const std::vector<at::Tensor>& tensors, const std::vector<std::string>& args, const std::string& group_name,

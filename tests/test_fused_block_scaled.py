@@ -159,6 +159,34 @@ def test_block_scaled_multiply_says_which_path_ran():
     assert len(said) == 1 and "mx a and mx b scales on cpu" in said[0], said
 
 
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _sm90(), reason="torch._scaled_mm's 1x128 x 128x128 block form runs on SM90 only")
+@on_ranks(1)
+def test_block_scales_multiply_through_torch_scaled_mm_on_sm90():
+    """On SM90 the block-scaled ops multiply through torch._scaled_mm (the log says so), exactly: small integers
+    and power-of-two scales keep cuBLAS's fp32 sums exact. M = 15 rows takes the scale's padding to 4 rows."""
+    name, k, n, device = _world_name(), 1024, 256, torch.device("cuda")
+    a = fp8_ints([3, 5, k], seed=0)
+    a_scale = scale_of("block", a_scale_shape("block", a.shape), 1)
+    b = fp8_ints((n, k), seed=2).t()
+    b_scale = scale_of("block", b_scale_shape("block", k, n), 3)
+    want = deq(a, a_scale, a_blocks("block", 3)) @ deq(b, b_scale, b_blocks("block"))
+    on_gpu = [t.to(device) for t in (a, a_scale, b, b_scale)]
+    _log.forget(lambda key: isinstance(key, tuple) and str(key[0]).startswith("fastmesh::"))
+    with captured_log("fastmesh.ops._fp8_operands", logging.INFO) as messages:
+        ga, gs, gb, gbs = on_gpu
+        _, _, (gathered,) = torch.ops.fastmesh.all_gather_scaled_matmul(ga, gs, [gb], [gbs], 0, name, torch.bfloat16)
+        reduced = torch.ops.fastmesh.scaled_matmul_all_reduce(ga, gs, gb, gbs, "sum", name, torch.bfloat16)
+        scattered = torch.ops.fastmesh.scaled_matmul_reduce_scatter(ga, gs, gb, gbs, -1, "sum", name, torch.bfloat16)
+    for what, got in (("all_gather", gathered), ("all_reduce", reduced), ("reduce_scatter", scattered)):
+        assert torch.equal(got.cpu(), want.to(torch.bfloat16)), what
+    said = [m for m in messages if "torch._scaled_mm's 1x128 x 128x128" in m]
+    assert len(said) == 3 and not [m for m in messages if "dequantize-and-multiply" in m], messages
+
+
 # ---- the fronts' fp8= option ----
 
 A_GRANULARITY = {"mx": "mx", "block1x128": "block1x128"}

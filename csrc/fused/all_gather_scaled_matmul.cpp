@@ -79,7 +79,9 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
                     a_shard.sizes());
 
   std::vector<ScaledB> b_operands;
-  for (size_t i = 0; i < bs.size(); ++i) b_operands.push_back(prepare_b(bs[i], b_scales[i], scalings[i], out_dtype));
+  for (size_t i = 0; i < bs.size(); ++i) {
+    b_operands.push_back(prepare_b(bs[i], b_scales[i], scalings[i], a_shard.scalar_type(), out_dtype, bs[i].size(1)));
+  }
 
   // The scales travel first, in one small all-gather, so that every piece's multiply can use them.
   const at::Tensor shard = a_shard.contiguous();

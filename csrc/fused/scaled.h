@@ -9,16 +9,19 @@
 //   MX           [..., K/32]           [K/32, N]                      float8_e8m0fnu (32 | K)
 //   block        [..., ceil(K/128)]    [ceil(K/128), ceil(N/128)]     float32 (1x128 a, 128x128 b)
 //
-// Tensor-wise and row-wise operands multiply through torch._scaled_mm. An operand with block scales (MX or
-// block) makes the multiply dequantize both operands to the product's dtype and multiply those: torch 2.14's CPU
-// _scaled_mm takes no block scales, and its CUDA block forms want device-specific scale layouts that are not
-// wired here (docs/design/fp8.md).
+// Tensor-wise and row-wise operands multiply through torch._scaled_mm, and so do block-scaled ones where torch
+// multiplies that form on the device (block_scaled_mm_runs: 1x128 a and 128x128 b on SM90). Otherwise an operand
+// with block scales (MX or block) makes the multiply dequantize both operands to the product's dtype and multiply
+// those: torch's CPU _scaled_mm takes no block scales, and its CUDA MX form (SM100) wants scales swizzled into
+// 128x4 tiles, which is not wired here (docs/design/fp8.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_mm.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
@@ -28,6 +31,10 @@
 
 #include "fastmesh/checks.h"
 #include "fastmesh/mx_math.h"
+
+#if FASTMESH_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
 
 namespace fastmesh {
 namespace fused {
@@ -142,6 +149,24 @@ inline Scalings check_scaled_operands(const at::Tensor& a, const at::Tensor& a_s
   return scalings;
 }
 
+// Whether torch._scaled_mm multiplies these block-scaled operands itself, rather than both being dequantized: the
+// DeepSeek form (1x128 a, 128x128 b), which torch hands to cuBLAS (>= 12.9) on SM90 only. The conditions are
+// cuBLAS's for that form, kept to what it documents: float8_e4m3fn data, a bfloat16 product, 16-byte aligned
+// scale strides (b's column-major [K/128, N/128] scale: K a multiple of 512; a's column-major [M, K/128] scale: M a
+// multiple of 4, which block_scaled_mm pads to), and b's column slices (`column_part` wide: N, or N / world when a
+// reduce-scatter scatters the columns) covering whole 128-column blocks.
+inline bool block_scaled_mm_runs(const Scalings& scalings, at::ScalarType a_dtype, const at::Tensor& b,
+                                 at::ScalarType out_dtype, int64_t column_part) {
+  if (scalings.a != Scaling::kBlock || scalings.b != Scaling::kBlock || !b.device().is_cuda()) return false;
+#if FASTMESH_WITH_CUDA && defined(CUDART_VERSION) && CUDART_VERSION >= 12090
+  return at::cuda::getDeviceProperties(b.device().index())->major == 9 && a_dtype == at::kFloat8_e4m3fn &&
+         b.scalar_type() == at::kFloat8_e4m3fn && out_dtype == at::kBFloat16 && b.size(0) % (4 * kScaleBlock) == 0 &&
+         column_part > 0 && column_part % kScaleBlock == 0;
+#else
+  return false;
+#endif
+}
+
 // a's scale as a matrix beside a's rows ([rows, 1] or [rows, groups]); a tensor-wise scale as it is.
 inline at::Tensor scale_rows(const at::Tensor& a_scale) {
   return a_scale.dim() == 0 ? a_scale : a_scale.contiguous().view({-1, a_scale.size(-1)});
@@ -184,26 +209,58 @@ inline at::Tensor with_standard_strides(const at::Tensor& scale) {
   return scale.clone(at::MemoryFormat::Contiguous);
 }
 
-// b as the scaled multiply takes it: FP8 data with its tensor-wise or row-wise scale, for torch._scaled_mm; or,
-// when either operand has block scales, b dequantized to the product's dtype (scale undefined), once per op call
-// rather than once per piece.
+// b as the scaled multiply takes it: FP8 data with its tensor-wise or row-wise scale, for torch._scaled_mm; FP8
+// data with its 128x128 scale column-major (`block`), for torch._scaled_mm's block form; or, when either operand
+// has block scales that torch does not multiply, b dequantized to the product's dtype (scale undefined), once per
+// op call rather than once per piece.
 struct ScaledB {
   at::Tensor data, scale;
+  bool block = false;
 
   bool dequantized() const { return !scale.defined(); }
 
-  // Columns [first, first + count) of b.
+  // Columns [first, first + count) of b (block: whole 128-column blocks, block_scaled_mm_runs' column_part).
   ScaledB columns(int64_t first, int64_t count) const {
     const at::Tensor part = data.narrow(1, first, count);
     if (dequantized() || scale.dim() == 0) return {part, scale};
-    return {part, scale.narrow(1, first, count)};
+    if (!block) return {part, scale.narrow(1, first, count)};
+    TORCH_INTERNAL_ASSERT(first % kScaleBlock == 0 && count % kScaleBlock == 0);
+    return {part, scale.narrow(1, first / kScaleBlock, count / kScaleBlock), true};
   }
 };
 
+// `a_dtype` and `column_part`: block_scaled_mm_runs'.
 inline ScaledB prepare_b(const at::Tensor& b, const at::Tensor& b_scale, const Scalings& scalings,
-                         at::ScalarType out_dtype) {
+                         at::ScalarType a_dtype, at::ScalarType out_dtype, int64_t column_part) {
   if (!scalings.dequantizes()) return {b, b_scale};
+  if (block_scaled_mm_runs(scalings, a_dtype, b, out_dtype, column_part)) {
+    // cuBLAS reads the 128x128 scale with the N blocks outermost: [K/128, N/128] column-major.
+    return {b, b_scale.t().contiguous().t(), true};
+  }
   return {dequantize(b, b_scale, out_dtype), at::Tensor()};
+}
+
+// a_rows ([M, K] FP8, 1x128 scales `a_scale` [M, K/128]) @ b (block) through torch._scaled_mm. cuBLAS reads a's
+// scale with M innermost, its stride 16-byte aligned: column-major, M padded to a multiple of 4 (zero rows, whose
+// products are dropped).
+inline at::Tensor block_scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale, const ScaledB& b,
+                                  at::ScalarType out_dtype, at::Tensor* out) {
+  const int64_t m = a_rows.size(0), padded = (m + 3) / 4 * 4;
+  at::Tensor a = a_rows;
+  at::Tensor scale_columns = at::empty({a_scale.size(1), padded}, a_scale.options());  // [K/128, M]
+  scale_columns.narrow(1, 0, m).copy_(a_scale.t());
+  if (padded != m) {
+    a = at::zeros({padded, a_rows.size(1)}, a_rows.options());
+    a.narrow(0, 0, m).copy_(a_rows);
+    scale_columns.narrow(1, m, padded - m).fill_(1);
+  }
+  const at::Tensor sa = scale_columns.t();
+  if (out && padded == m) {
+    return at::_scaled_mm_out(*out, a, b.data, sa, b.scale, std::nullopt, std::nullopt, out_dtype, false);
+  }
+  const at::Tensor product =
+      at::_scaled_mm(a, b.data, sa, b.scale, std::nullopt, std::nullopt, out_dtype, false).narrow(0, 0, m);
+  return out ? out->copy_(product) : product;
 }
 
 // (a_rows * a_scale) @ (b * b_scale) in `out_dtype`. A dequantized b (block scales) is multiplied by a_rows
@@ -222,6 +279,7 @@ inline at::Tensor scaled_mm(const at::Tensor& a_rows, const at::Tensor& a_scale,
     const at::Tensor a = dequantize(a_rows, a_scale, out_dtype);
     return out ? at::mm_out(*out, a, b.data) : at::mm(a, b.data);
   }
+  if (b.block) return block_scaled_mm(a_rows, a_scale, b, out_dtype, out);
 #if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
   constexpr bool kRowwiseOnCpu = false;
 #else

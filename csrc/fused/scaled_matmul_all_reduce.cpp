@@ -31,7 +31,7 @@ at::Tensor scaled_matmul_all_reduce(const at::Tensor& a, const at::Tensor& a_sca
   out_sizes.back() = b.size(1);
   const at::Tensor a_rows = rows_view(a.contiguous());
   const at::Tensor a_scale_rows = scale_rows(a_scale);
-  const ScaledB b_operand = prepare_b(b, b_scale, scalings, out_dtype);
+  const ScaledB b_operand = prepare_b(b, b_scale, scalings, a.scalar_type(), out_dtype, b.size(1));
   if (group->getSize() == 1) {
     if (a_rows.numel() == 0 || b.numel() == 0) return at::zeros(out_sizes, a.options().dtype(out_dtype));
     return scaled_mm(a_rows, a_scale_rows, b_operand, out_dtype).view(out_sizes);

@@ -44,7 +44,9 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
   const at::Tensor a_scale_rows = scale_rows(a_scale);
   at::Tensor a_blocks, scale_blocks;  // [P, W, Q, K] and [P, W, Q, groups] views (row blocks of the product)
   const int64_t n_part = n / world;
-  const ScaledB b_operand = prepare_b(b, b_scale, scalings, out_dtype);
+  // Column pieces are any width; a scatter of the columns multiplies each rank's n / W of them.
+  const int64_t column_part = schedule == pipeline::Split::kColumns ? 0 : columns ? n_part : n;
+  const ScaledB b_operand = prepare_b(b, b_scale, scalings, a.scalar_type(), out_dtype, column_part);
   const auto multiply_columns = [&](at::Tensor send, int64_t c0, int64_t cw) {
     if (columns) {  // rank j's columns of the product: b's columns j*n/W + [c0, c0 + cw)
       for (int64_t j = 0; j < world; ++j) {

@@ -10,14 +10,16 @@ scale covering its block) in one of these layouts, for ``a [..., K]`` (first ope
     MX           [..., K/32]           [K/32, N]                    float8_e8m0fnu (32 | K)
     block        [..., ceil(K/128)]    [ceil(K/128), ceil(N/128)]   float32 (1x128 a, 128x128 b)
 
-Tensor-wise and row-wise operands multiply through ``torch._scaled_mm``; with MX or block scales on either operand
-both are dequantized to the product's dtype and multiplied (``csrc/fused/scaled.h``, ``docs/design/fp8.md``).
+Tensor-wise and row-wise operands multiply through ``torch._scaled_mm``, and so do 1x128 a x 128x128 b block scales
+where torch runs that form (SM90, ``csrc/fused/scaled.h``); otherwise, with MX or block scales on either operand,
+both are dequantized to the product's dtype and multiplied (``docs/design/fp8.md``).
 Here:
 
 - the checks every scaled op makes on its operands and ``out_dtype``, in the wording of ``csrc/fused/scaled.h``
   (``check_scaled_operands`` for one ``a`` and one ``b``; ``check_scaled_b``, ``check_a_scale``,
   ``check_b_scale`` and ``check_out_dtype`` for the ops that take several ``b``);
-- ``dequantizes``: whether a multiply of those layouts runs dequantize-and-multiply;
+- ``has_block_scales``, ``block_scaled_mm_runs`` and ``dequantizes``: which path a multiply of those layouts takes
+  (``log_multiply`` says it);
 - the fronts' ``fp8=`` option: ``check_config``, and the current-scaling quantization of a high-precision ``a``
   (``quantize_rows``) and ``b`` (``quantize_columns``) into those operands, and back (``dequantize``).
 """
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fastmesh import _cpp_lib
 from fastmesh._log import log_once
 from fastmesh.ops._checks import FP8_DTYPES, MX, MX_BLOCK, check_tensor
 from fastmesh.ops.fp8_quantize import quantize
@@ -128,26 +131,42 @@ def check_scaled_operands(a, a_scale, b, b_scale, out_dtype, op: str) -> tuple[s
     return layouts
 
 
-def dequantizes(*layouts: str) -> bool:
-    """Whether a multiply of operands with these scale layouts (the checks' results) takes the
-    dequantize-and-multiply path: MX or block scales on either operand."""
+def has_block_scales(*layouts: str) -> bool:
+    """Whether either operand of a multiply with these scale layouts (the checks' results) has MX or block
+    scales: more than torch._scaled_mm's tensor-wise and row-wise forms."""
     return any(layout in ("mx", "block") for layout in layouts)
 
 
-def log_multiply(op: str, device: torch.device, a_layout: str, b_layout: str) -> None:
-    """Says, once per op, device and layouts, that a multiply dequantizes rather than runs torch._scaled_mm."""
-    if dequantizes(a_layout, b_layout):
-        log_once(
-            logger,
-            logging.INFO,
-            (op, device.type, a_layout, b_layout),
-            "%s: %s a and %s b scales on %s: dequantize-and-multiply in the product's dtype (torch._scaled_mm's "
-            "block-scaled forms are not wired: docs/design/fp8.md)",
-            op,
-            a_layout,
-            b_layout,
-            device.type,
+def block_scaled_mm_runs(a_dtype, b: torch.Tensor, layouts: tuple[str, str], out_dtype, column_part=None) -> bool:
+    """Whether the scaled ops multiply ``a`` (of ``a_dtype``) by ``b`` with these scale layouts through
+    torch._scaled_mm's 1x128 x 128x128 block form (``block_scaled_mm_runs`` in ``csrc/fused/scaled.h``: SM90,
+    float8_e4m3fn, a bfloat16 product, K a multiple of 512, column slices of whole 128-column blocks).
+    ``column_part``: the width of the column slices of b the op multiplies (default: all of b's columns)."""
+    part = b.shape[1] if column_part is None else column_part
+    return layouts == ("block", "block") and _cpp_lib.load().block_scaled_mm_runs(a_dtype, b, out_dtype, part)
+
+
+def dequantizes(a_dtype, b: torch.Tensor, layouts: tuple[str, str], out_dtype, column_part=None) -> bool:
+    """Whether that multiply dequantizes both operands and multiplies those (block scales torch does not take)."""
+    return has_block_scales(*layouts) and not block_scaled_mm_runs(a_dtype, b, layouts, out_dtype, column_part)
+
+
+def log_multiply(op: str, a_dtype, b: torch.Tensor, layouts: tuple[str, str], out_dtype, column_part=None) -> None:
+    """Says, once per op, device, layouts and path, how a multiply of block-scaled operands runs
+    (``block_scaled_mm_runs``' arguments)."""
+    if not has_block_scales(*layouts):
+        return
+    native = block_scaled_mm_runs(a_dtype, b, layouts, out_dtype, column_part)
+    if native:
+        message = "%s: %s a and %s b scales on %s: torch._scaled_mm's 1x128 x 128x128 block-scaled form"
+    else:
+        message = (
+            "%s: %s a and %s b scales on %s: dequantize-and-multiply in the product's dtype (torch._scaled_mm takes "
+            "block scales only as 1x128 a x 128x128 b, on SM90: float8_e4m3fn, bfloat16 out, K a multiple of 512, "
+            "column slices of whole 128-column blocks; docs/design/fp8.md)"
         )
+    device = b.device.type
+    log_once(logger, logging.INFO, (op, device, *layouts, native), message, op, *layouts, device)
 
 
 # ---- the fronts' fp8= option ----

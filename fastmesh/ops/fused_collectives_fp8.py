@@ -18,9 +18,10 @@ Shapes are those of ``fused_collectives.py``, with (``out_dtype``: float32, bflo
     bs[i] / b     [K, N] FP8 (CUDA: column-major)  b_scale(s[i])  [], [1, N], [K/32, N] e8m0, [ceil(K/128), ceil(N/128)]
     gathered a    [..W*S.., K] FP8                 its scale      [..W*S.., G]: a_scale's G per row (tensor-wise: 1)
 
-The multiplies are ``torch._scaled_mm`` for tensor-wise and row-wise scales; with MX or block scales on either
-operand they dequantize both operands to ``out_dtype`` and multiply those (b once per call), and the op says so
-once in the log.
+The multiplies are ``torch._scaled_mm`` for tensor-wise and row-wise scales, and for 1x128 a x 128x128 b block
+scales where torch runs that form (SM90: ``_fp8_operands.log_multiply``); otherwise, with MX or block scales on
+either operand, they dequantize both operands to ``out_dtype`` and multiply those (b once per call). The op says
+which once in the log.
 
 Autograd: the ops take quantized data and have none. The fronts' ``fp8=Float8Config(...)`` (current scaling;
 tensor-wise, row-wise, MX or block1x128) quantizes the inputs (each b per output column; 128x128 for
@@ -180,8 +181,8 @@ def _all_gather_scaled_matmul_kernel(
     dim, a_layout, b_layouts = _check_all_gather_scaled(
         a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, group.size(), pieces
     )
-    for b_layout in b_layouts:
-        log_multiply(_AG, a_shard.device, a_layout, b_layout)
+    for b, b_layout in zip(bs, b_layouts):
+        log_multiply(_AG, a_shard.dtype, b, (a_layout, b_layout), out_dtype)
     ext = _cpp_lib.load()
     bs, b_scales = list(bs), list(b_scales)
 
@@ -210,7 +211,8 @@ def _scaled_matmul_reduce_scatter_kernel(
     dim, layouts = _check_scaled_reduce_scatter(
         a, a_scale, b, b_scale, scatter_dim, reduce_op, out_dtype, group.size(), pieces
     )
-    log_multiply(_RS, a.device, *layouts)
+    columns = dim == a.dim() - 1  # each rank's n / W columns are a slice of b, multiplied alone
+    log_multiply(_RS, a.dtype, b, layouts, out_dtype, b.shape[1] // group.size() if columns else None)
     ext = _cpp_lib.load()
 
     def run(plan: plans.Plan):

@@ -127,7 +127,7 @@ def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
 def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, pieces=0):
     world = group_size(group_name, _SOP)
     layouts = _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces)
-    log_multiply(_SOP, a.device, *layouts)
+    log_multiply(_SOP, a.dtype, b, layouts, out_dtype)
     ext = _cpp_lib.load()
 
     def run(plan: plans.Plan):
