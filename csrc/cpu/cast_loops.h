@@ -34,6 +34,11 @@ FASTMESH_DECLARE_QUANTIZE_LOOPS(c10::Half, E4M3)
 FASTMESH_DECLARE_QUANTIZE_LOOPS(c10::Half, E5M2)
 #undef FASTMESH_DECLARE_QUANTIZE_LOOPS
 
+// dst[c * dst_ld + r] = src[r, c] for a tile of at most kFp8Block x kFp8Block bytes, every row of dst written
+// with non-temporal stores where aligned; a thread that wrote any fences with finish_row_stores() when it is done.
+void transpose_tile(Panel<const uint8_t> src, uint8_t* dst, int64_t dst_ld);
+void finish_row_stores();
+
 // Elements cast between two rounds of prefetching (see quantize_overlapped); a multiple of kFp8Block (and so of
 // kMxBlock).
 constexpr int64_t kSliceElements = 1024;

@@ -128,20 +128,6 @@ FASTMESH_DEFINE_QUANTIZE_LOOPS(c10::Half, E5M2)
 
 namespace {
 
-// q[i] for n groups: 1 / given_scale[i] if given_scale, else from amax[i] (quant_scale_from_amax).
-FASTMESH_CPU_CLONES void group_multipliers(const float* given_scale, const float* amax, int64_t n, float max_value,
-                                           bool power_of_two, float* __restrict q) {
-  if (given_scale != nullptr) {
-    for (int64_t i = 0; i < n; ++i) q[i] = 1.0f / given_scale[i];
-  } else {
-    for (int64_t i = 0; i < n; ++i) q[i] = quant_scale_from_amax(amax[i], max_value, power_of_two);
-  }
-}
-
-FASTMESH_CPU_CLONES void reciprocals(const float* q, int64_t n, float* __restrict out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = 1.0f / q[i];
-}
-
 // 16 bytes; element-wise vector constructors from two such vectors compile to byte shuffles (punpck*)
 // with GCC and Clang alike, without intrinsics.
 using Bytes16 = uint8_t __attribute__((vector_size(16)));
@@ -189,6 +175,8 @@ FASTMESH_ALWAYS_INLINE void store_row(const uint8_t* src, int64_t n, uint8_t* ds
   std::memcpy(dst, src, n);
 }
 
+}  // namespace
+
 // Orders the non-temporal stores of store_row before what the thread does next.
 void finish_row_stores() {
 #if defined(__SSE2__)
@@ -211,6 +199,22 @@ FASTMESH_CPU_CLONES void transpose_tile(Panel<const uint8_t> src, uint8_t* dst, 
     for (int64_t c = r < full_rows ? full_cols : 0; c < src.cols; ++c) buffer[c * kFp8Block + r] = src.row(r)[c];
   }
   for (int64_t c = 0; c < src.cols; ++c) store_row(buffer + c * kFp8Block, src.rows, dst + c * dst_ld);
+}
+
+namespace {
+
+// q[i] for n groups: 1 / given_scale[i] if given_scale, else from amax[i] (quant_scale_from_amax).
+FASTMESH_CPU_CLONES void group_multipliers(const float* given_scale, const float* amax, int64_t n, float max_value,
+                                           bool power_of_two, float* __restrict q) {
+  if (given_scale != nullptr) {
+    for (int64_t i = 0; i < n; ++i) q[i] = 1.0f / given_scale[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) q[i] = quant_scale_from_amax(amax[i], max_value, power_of_two);
+  }
+}
+
+FASTMESH_CPU_CLONES void reciprocals(const float* q, int64_t n, float* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = 1.0f / q[i];
 }
 
 // ---------------------------------------------------------------------------------------------------
