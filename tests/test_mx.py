@@ -116,7 +116,7 @@ def test_mx_block_amax_finds_the_max_at_every_position(dtype):
     assert torch.equal(got.amax[torch.arange(k), torch.arange(k) // 32], torch.full((k,), 2.0))
 
 
-def every_bf16_below_each_scale():
+def every_bf16_below_each_scale(blocks_per_row):
     """bf16 blocks whose first element sets the scale (every exponent, normal or subnormal, with four mantissas) and
     whose other 31 elements run through every magnitude of the 40 binades at and below it, signs alternating: each
     value against each block scale where its FP8 code is normal, and the subnormals and underflows beneath."""
@@ -129,19 +129,19 @@ def every_bf16_below_each_scale():
         values[:, 1::2] |= 0x8000
         blocks.append(torch.cat([values.new_full((len(values), 1), amax), values], dim=1))
     blocks = torch.cat(blocks)
-    # Rows of 8 blocks, as the kernel casts blocks two at a time within a row.
-    blocks = torch.cat([blocks, blocks.new_zeros(-len(blocks) % 8, 32)])
-    return blocks.view(-1, 8 * 32).to(torch.int16).view(torch.bfloat16)
+    # Rows of several blocks, as the kernel casts a row's blocks in pairs and groups (and an odd last one alone).
+    blocks = torch.cat([blocks, blocks.new_zeros(-len(blocks) % blocks_per_row, 32)])
+    return blocks.view(-1, blocks_per_row * 32).to(torch.int16).view(torch.bfloat16)
 
 
 @pytest.mark.parametrize("rounding", mx.ROUNDINGS)
 def test_mx_casts_every_bf16_value_under_every_scale(rounding):
     """The bf16 cast works on the bits of power-of-two multipliers (16-bit lanes, fp32 loop for the rest):
     exhaustive over the (value, scale) pairs that give a non-zero code, for both formats."""
-    x = every_bf16_below_each_scale()
-    for fp8 in (E4M3, E5M2):
+    for fp8, blocks_per_row in itertools.product((E4M3, E5M2), (8, 13)):  # 13: a group of 8, one of 5
+        x = every_bf16_below_each_scale(blocks_per_row)
         got = fastmesh.fp8.quantize(x, dtype=fp8, granularity="mx", scale_rounding=rounding)
-        assert_mx_equal(got, mx.quantize_mx(x, fp8, rounding), f"{rounding} {fp8}")
+        assert_mx_equal(got, mx.quantize_mx(x, fp8, rounding), f"{rounding} {fp8} {blocks_per_row}")
 
 
 def test_mx_special_blocks():

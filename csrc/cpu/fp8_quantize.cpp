@@ -69,18 +69,25 @@ FASTMESH_ALWAYS_INLINE void quantize_mx_pair(const scalar_t* x, float q0, float 
   }
 }
 
+// n MX blocks through quantize_mx_pair (and the last odd one through a 32-wide quantize_run).
+template <typename scalar_t, Fp8Format kFormat>
+FASTMESH_ALWAYS_INLINE void quantize_mx_blocks(const scalar_t* x, const float* q, int64_t n, uint8_t* __restrict out) {
+  int64_t b = 0;
+  for (; b + 2 <= n; b += 2) quantize_mx_pair<scalar_t, kFormat>(x + b * kMxBlock, q[b], q[b + 1], out + b * kMxBlock);
+  if (b < n) quantize_run<scalar_t, kFormat>(x + b * kMxBlock, kMxBlock, q[b], out + b * kMxBlock);
+}
+
 // bf16 times a power of two, cast on the bits. With q = 2^t, x * q is exact in fp32 unless it is tiny, so its
 // bits are x's with t added to the exponent field, and the cast only has to round bf16's 7 mantissa bits to FP8's:
-// 16-bit integer lanes, fixed shifts, no widening and no multiply. MX multipliers are such powers of two; the
-// pairs of blocks cast so take 0.14 instead of 0.23 ns per element (AVX-512, one core, in L2), and the whole bf16
-// MX cast about 20% less time. shift_exponent's k is the product's FP8 biased exponent minus x's bf16 one.
+// 16-bit integer lanes, fixed shifts, no widening and no multiply. MX multipliers are such powers of two.
+// shift_exponent's k is the product's FP8 biased exponent minus x's bf16 one.
 template <Fp8Format kFormat>
 struct Bf16Shift {
   static constexpr bool kE4M3 = kFormat == Fp8Format::kE4M3FN;
   static constexpr int kDropBits = kE4M3 ? 4 : 5;  // bf16's 7 mantissa bits less FP8's
   static constexpr int kFp8Bias = kE4M3 ? 7 : 15;
-  static constexpr uint16_t kMaxCode = kE4M3 ? 0x7e : 0x7b;  // 448, 57344
-  static constexpr int32_t kNone = 1;                        // no shift_exponent: q is not 2^t with k <= 0
+  static constexpr int16_t kMaxCode = kE4M3 ? 0x7e : 0x7b;  // 448, 57344
+  static constexpr int32_t kNone = 1;                       // no shift_exponent: q is not 2^t with k <= 0
 
   // k for q = 2^t (biased fp32 exponent t + 127, no mantissa), or kNone. k <= 0 keeps every bf16 subnormal below
   // FP8's normal range, where the lanes below reject it.
@@ -92,32 +99,52 @@ struct Bf16Shift {
   }
 };
 
-// out[i] = cast_to_fp8_bits(x[i] * 2^t), bit for bit, for the 64 bf16 bits of two MX blocks with their k from
-// Bf16Shift::shift_exponent (both <= 0). Exact where the FP8 code is normal, zero or saturated; false (out then
-// holds garbage, for the fp32 loop to overwrite) when some element is not: a non-zero one that is subnormal or
-// underflows in FP8 (variable shifts would round it, which most ISAs lack on 16-bit lanes), inf or NaN. In a
-// Gaussian block that is about one pair in 180.
+// A row's MX blocks go to quantize_mx_blocks_shifted this many at a time.
+constexpr int64_t kMxGroup = 8;
+
+// out[i] = cast_to_fp8_bits(x[i] * q[i / 32]), bit for bit, for the bf16 bits of n MX blocks, two at a time as in
+// quantize_mx_pair (a last odd block through quantize_run). Exact where the FP8 code is normal, zero or saturated;
+// false (out then holds garbage, for quantize_mx_blocks to overwrite) when a multiplier has no shift_exponent or
+// some element's code is not: a non-zero element that is subnormal or underflows in FP8 (variable shifts would
+// round it, which most ISAs lack on 16-bit lanes), inf or NaN. In Gaussian data that is about one group of 8
+// blocks in 45.
+//
+// The rejections are gathered per lane and tested once per call: a horizontal OR per pair of blocks took about a
+// third of the pairs' time. Signed compares only, which AVX2 has on 16-bit lanes.
 template <Fp8Format kFormat>
-FASTMESH_ALWAYS_INLINE bool quantize_mx_pair_shifted(const uint16_t* x, int32_t k0, int32_t k1,
-                                                     uint8_t* __restrict out) {
+FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const float* q, int64_t n,
+                                                       uint8_t* __restrict out) {
   using Shift = Bf16Shift<kFormat>;
-  constexpr uint16_t kInf = 0x7f80;
-  uint16_t rejected = 0;
-  for (int64_t i = 0; i < 2 * kMxBlock; ++i) {
-    const int32_t k = i < kMxBlock ? k0 : k1;
-    // FP8's exponent e + k >= 1 where x's is e: magnitudes from (1 - k) << 7 on.
-    const auto smallest_normal = static_cast<uint16_t>((1 - k) << 7);
-    const auto normal_span = static_cast<uint16_t>(kInf - smallest_normal);  // 16-bit compares below
-    const uint16_t magnitude = x[i] & 0x7fff;
-    rejected |= magnitude != 0 && static_cast<uint16_t>(magnitude - smallest_normal) >= normal_span;
-    // FP8's exponent and bf16's mantissa (0 for a zero), rounded to nearest even by the dropped bits.
-    const auto shifted = static_cast<int16_t>(magnitude + static_cast<uint16_t>(k * 128));
-    const uint16_t bits = shifted > 0 ? shifted : 0;
-    const uint16_t odd = (bits >> Shift::kDropBits) & 1;
-    const auto code = static_cast<uint16_t>((bits + ((1 << (Shift::kDropBits - 1)) - 1) + odd) >> Shift::kDropBits);
-    out[i] = static_cast<uint8_t>((code < Shift::kMaxCode ? code : Shift::kMaxCode) | ((x[i] >> 8) & 0x80));
+  constexpr int16_t kInf = 0x7f80;
+  int16_t rejected[2 * kMxBlock] = {};
+  int64_t b = 0;
+  for (; b + 2 <= n; b += 2) {
+    const int32_t k0 = Shift::shift_exponent(q[b]), k1 = Shift::shift_exponent(q[b + 1]);
+    if (k0 == Shift::kNone || k1 == Shift::kNone) return false;
+    const uint16_t* pair = x + b * kMxBlock;
+    uint8_t* pair_out = out + b * kMxBlock;
+    for (int64_t i = 0; i < 2 * kMxBlock; ++i) {
+      const int32_t k = i < kMxBlock ? k0 : k1;
+      // FP8's exponent e + k >= 1 where x's is e: magnitudes from (1 - k) << 7 on.
+      const auto smallest_normal = static_cast<int16_t>((1 - k) << 7);
+      const auto magnitude = static_cast<int16_t>(pair[i] & 0x7fff);
+      rejected[i] |= (magnitude != 0) & ((magnitude < smallest_normal) | (magnitude >= kInf));
+      // FP8's exponent and bf16's mantissa (0 for a zero), rounded to nearest even by the dropped bits.
+      const auto shifted = static_cast<int16_t>(static_cast<uint16_t>(magnitude) + static_cast<uint16_t>(k * 128));
+      const int16_t bits = shifted > 0 ? shifted : 0;
+      const int16_t odd = (bits >> Shift::kDropBits) & 1;
+      const auto code = static_cast<int16_t>((bits + ((1 << (Shift::kDropBits - 1)) - 1) + odd) >> Shift::kDropBits);
+      pair_out[i] = static_cast<uint8_t>((code < Shift::kMaxCode ? code : Shift::kMaxCode) | ((pair[i] >> 8) & 0x80));
+    }
   }
-  return rejected == 0;
+  int16_t any = 0;
+  for (int64_t i = 0; i < 2 * kMxBlock; ++i) any |= rejected[i];
+  if (any != 0) return false;
+  if (b < n) {
+    quantize_run<c10::BFloat16, kFormat>(reinterpret_cast<const c10::BFloat16*>(x) + b * kMxBlock, kMxBlock, q[b],
+                                         out + b * kMxBlock);
+  }
+  return true;
 }
 
 // out[r, c] = fp8(x[r, c] * q[r * q_stride + c / block])
@@ -128,31 +155,26 @@ FASTMESH_ALWAYS_INLINE void quantize_panel_impl(Panel<const scalar_t> x, int64_t
   for (int64_t r = 0; r < x.rows; ++r) {
     int64_t b = 0;
     if (block == kMxBlock) {
-      for (; (b + 2) * kMxBlock <= x.cols; b += 2) {
-        const int64_t col0 = b * kMxBlock;
-        const float q0 = q[r * q_stride + b], q1 = q[r * q_stride + b + 1];
+      for (const int64_t full = x.cols / kMxBlock; b < full; b += kMxGroup) {
+        const int64_t n = std::min(kMxGroup, full - b);
+        const scalar_t* in = x.row(r) + b * kMxBlock;
+        const float* group_q = q + r * q_stride + b;
+        uint8_t* group_out = out.row(r) + b * kMxBlock;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          using Shift = Bf16Shift<kFormat>;
-          const int32_t k0 = Shift::shift_exponent(q0), k1 = Shift::shift_exponent(q1);
-          if (k0 != Shift::kNone && k1 != Shift::kNone &&
-              quantize_mx_pair_shifted<kFormat>(reinterpret_cast<const uint16_t*>(x.row(r) + col0), k0, k1,
-                                                out.row(r) + col0)) {
+          if (quantize_mx_blocks_shifted<kFormat>(reinterpret_cast<const uint16_t*>(in), group_q, n, group_out)) {
             continue;
           }
         }
-        quantize_mx_pair<scalar_t, kFormat>(x.row(r) + col0, q0, q1, out.row(r) + col0);
+        quantize_mx_blocks<scalar_t, kFormat>(in, group_q, n, group_out);
       }
     }
     for (; b < blocks; ++b) {
       const int64_t col0 = b * block, n = std::min(block, x.cols - col0);
       const scalar_t* in = x.row(r) + col0;
       uint8_t* row_out = out.row(r) + col0;
-      // A constant trip count for full 128-wide (and MX's 32-wide) blocks: straight vector loops without
-      // remainder code.
+      // A constant trip count for full 128-wide blocks: straight vector loops without remainder code.
       if (n == kFp8Block) {
         quantize_run<scalar_t, kFormat>(in, kFp8Block, q[r * q_stride + b], row_out);
-      } else if (n == kMxBlock) {
-        quantize_run<scalar_t, kFormat>(in, kMxBlock, q[r * q_stride + b], row_out);
       } else {
         quantize_run<scalar_t, kFormat>(in, n, q[r * q_stride + b], row_out);
       }
