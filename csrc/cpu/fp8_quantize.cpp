@@ -110,13 +110,15 @@ constexpr int64_t kMxGroup = 8;
 // blocks in 45.
 //
 // The rejections are gathered per lane and tested once per call: a horizontal OR per pair of blocks took about a
-// third of the pairs' time. Signed compares only, which AVX2 has on 16-bit lanes.
+// third of the pairs' time. Below-normal is read off the shifted exponent the cast computes anyway, inf and NaN off
+// a running maximum: signed 16-bit compares and maxima only, which AVX2 has too.
 template <Fp8Format kFormat>
 FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const float* q, int64_t n,
                                                        uint8_t* __restrict out) {
   using Shift = Bf16Shift<kFormat>;
-  constexpr int16_t kInf = 0x7f80;
-  int16_t rejected[2 * kMxBlock] = {};
+  // Per lane: whether a non-zero magnitude fell below FP8's normal range, and the largest magnitude (inf and NaN
+  // are those from 0x7f80 on).
+  int16_t below_normal[2 * kMxBlock] = {}, largest[2 * kMxBlock] = {};
   int64_t b = 0;
   for (; b + 2 <= n; b += 2) {
     const int32_t k0 = Shift::shift_exponent(q[b]), k1 = Shift::shift_exponent(q[b + 1]);
@@ -125,21 +127,24 @@ FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const 
     uint8_t* pair_out = out + b * kMxBlock;
     for (int64_t i = 0; i < 2 * kMxBlock; ++i) {
       const int32_t k = i < kMxBlock ? k0 : k1;
-      // FP8's exponent e + k >= 1 where x's is e: magnitudes from (1 - k) << 7 on.
-      const auto smallest_normal = static_cast<int16_t>((1 - k) << 7);
       const auto magnitude = static_cast<int16_t>(pair[i] & 0x7fff);
-      rejected[i] |= (magnitude != 0) & ((magnitude < smallest_normal) | (magnitude >= kInf));
-      // FP8's exponent and bf16's mantissa (0 for a zero), rounded to nearest even by the dropped bits.
+      largest[i] = largest[i] > magnitude ? largest[i] : magnitude;
+      // FP8's exponent and bf16's mantissa (0 for a zero), rounded to nearest even by the dropped bits. The
+      // exponent is below 1 (no normal FP8 code) where shifted < 1 << 7.
       const auto shifted = static_cast<int16_t>(static_cast<uint16_t>(magnitude) + static_cast<uint16_t>(k * 128));
+      below_normal[i] |= (magnitude != 0) & (shifted < (1 << 7));
       const int16_t bits = shifted > 0 ? shifted : 0;
       const int16_t odd = (bits >> Shift::kDropBits) & 1;
       const auto code = static_cast<int16_t>((bits + ((1 << (Shift::kDropBits - 1)) - 1) + odd) >> Shift::kDropBits);
       pair_out[i] = static_cast<uint8_t>((code < Shift::kMaxCode ? code : Shift::kMaxCode) | ((pair[i] >> 8) & 0x80));
     }
   }
-  int16_t any = 0;
-  for (int64_t i = 0; i < 2 * kMxBlock; ++i) any |= rejected[i];
-  if (any != 0) return false;
+  int16_t any_below = 0, any_largest = 0;
+  for (int64_t i = 0; i < 2 * kMxBlock; ++i) {
+    any_below |= below_normal[i];
+    any_largest = any_largest > largest[i] ? any_largest : largest[i];
+  }
+  if (any_below != 0 || any_largest >= 0x7f80) return false;
   if (b < n) {
     quantize_run<c10::BFloat16, kFormat>(reinterpret_cast<const c10::BFloat16*>(x) + b * kMxBlock, kMxBlock, q[b],
                                          out + b * kMxBlock);
