@@ -7,11 +7,14 @@
 #include <pybind11/stl.h>
 #include <torch/python.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "cpu/cast_loops.h"
 #include "fastmesh/build_info.h"  // generated at build time by fastmesh/_build_config.py
+#include "fastmesh/mx_math.h"
 #include "fastmesh/pipeline.h"
 #include "fused/fused_ops.h"
 #include "fused/process_group.h"
@@ -148,4 +151,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "one starts and then `action` strikes (\"exit\", \"raise\", \"stall\"; \"none\" disarms): "
       "csrc/fused/process_group.h.",
       arg("after"), arg("action"));
+  m.def(
+      "mx_bf16_lanes",
+      [](const at::Tensor& x, const at::Tensor& q, at::ScalarType dtype) -> std::optional<at::Tensor> {
+        TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 1 && x.is_contiguous(),
+                          "mx_bf16_lanes: x must be a contiguous 1-D bfloat16 CPU tensor, got ", x.toString(), " of ",
+                          "shape ", x.sizes());
+        TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 1 && q.is_contiguous() &&
+                              x.numel() == q.numel() * fastmesh::kMxBlock,
+                          "mx_bf16_lanes: q must be a contiguous 1-D float32 CPU tensor of one multiplier per 32 "
+                          "elements of x (",
+                          x.numel() / fastmesh::kMxBlock, "), got ", q.toString(), " of shape ", q.sizes());
+        TORCH_CHECK_VALUE(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2,
+                          "mx_bf16_lanes: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", dtype);
+        at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+        const auto* bits = static_cast<const uint16_t*>(x.const_data_ptr());
+        auto* bytes = static_cast<uint8_t*>(out.mutable_data_ptr());
+        const bool cast = dtype == at::kFloat8_e4m3fn
+                              ? fastmesh::cpu::quantize_mx_bf16_lanes(bits, q.const_data_ptr<float>(), q.numel(), bytes,
+                                                                      fastmesh::cpu::E4M3{})
+                              : fastmesh::cpu::quantize_mx_bf16_lanes(bits, q.const_data_ptr<float>(), q.numel(), bytes,
+                                                                      fastmesh::cpu::E5M2{});
+        return cast ? std::optional<at::Tensor>(out) : std::nullopt;
+      },
+      "Test-only: the CPU MX cast's 16-bit lanes for bf16 (csrc/cpu/fp8_quantize.cpp) on their own: "
+      "fp8(x[i] * q[i // 32]) for the blocks of the 1-D bf16 `x`, or None where they leave the blocks to the fp32 "
+      "loop (quantize_mx_blocks_shifted says when), as the kernel casts a group of blocks.",
+      arg("x"), arg("q"), arg("dtype"));
 }

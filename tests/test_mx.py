@@ -15,6 +15,7 @@ from fastmesh.kernels import mx_reference as mx
 from fastmesh.kernels.fp8_reference import fp8_bits_equal
 
 import fastmesh
+from fastmesh import _cpp_lib
 from fastmesh.ops.mx_quantize import mx_quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -138,10 +139,46 @@ def every_bf16_below_each_scale(blocks_per_row):
 def test_mx_casts_every_bf16_value_under_every_scale(rounding):
     """The bf16 cast works on the bits of power-of-two multipliers (16-bit lanes, fp32 loop for the rest):
     exhaustive over the (value, scale) pairs that give a non-zero code, for both formats."""
-    for fp8, blocks_per_row in itertools.product((E4M3, E5M2), (8, 13)):  # 13: a group of 8, one of 5
+    for blocks_per_row in (8, 13):  # 13: a group of 8, then one of 5
         x = every_bf16_below_each_scale(blocks_per_row)
-        got = fastmesh.fp8.quantize(x, dtype=fp8, granularity="mx", scale_rounding=rounding)
-        assert_mx_equal(got, mx.quantize_mx(x, fp8, rounding), f"{rounding} {fp8} {blocks_per_row}")
+        for fp8 in (E4M3, E5M2):
+            got = fastmesh.fp8.quantize(x, dtype=fp8, granularity="mx", scale_rounding=rounding)
+            assert_mx_equal(got, mx.quantize_mx(x, fp8, rounding), f"{rounding} {fp8} {blocks_per_row}")
+
+
+@pytest.mark.parametrize("fp8", (E4M3, E5M2), ids=("e4m3fn", "e5m2"))
+def test_mx_bf16_lanes_cast_the_groups_they_can_and_leave_the_rest(fp8):
+    """The bf16 lanes on their own (``fastmesh._C.mx_bf16_lanes``, groups of 8 blocks as the kernel casts them): they
+    cast a group exactly where every code is normal, zero or saturated and every multiplier a power of two, equal to
+    the reference there, and leave every other group to the fp32 loop (which the tests above check against the
+    reference). Gaussian blocks, some with an FP8 subnormal planted, then inf, NaN and multipliers that are not
+    powers of two."""
+    lanes = _cpp_lib.load().mx_bf16_lanes
+    smallest_normal = torch.finfo(fp8).smallest_normal
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 8 * 32, generator=g).bfloat16()
+    bits = mx.scale_bits(mx.block_amax(x), fp8, "rceil")
+    q = torch.exp2(127 - bits.double()).float()  # rceil's multipliers, finite blocks
+    planted = torch.rand(256, generator=g) < 0.25
+    x[planted, 5] = (smallest_normal / 2 / q[planted, 0]).bfloat16()
+    want = mx.quantize_mx(x, fp8, "rceil").data.view(torch.uint8)
+    below_normal = (x != 0) & (x.float().unflatten(-1, (8, 32)) * q.unsqueeze(-1)).flatten(-2).abs().lt(smallest_normal)
+    taken = 0
+    for row, multipliers, expected, rejects in zip(x, q, want, below_normal.any(-1)):
+        got = lanes(row, multipliers, fp8)
+        assert (got is None) == bool(rejects)
+        if got is not None:
+            taken += 1
+            assert torch.equal(got.view(torch.uint8), expected)
+    assert taken > 128  # the planted quarter, and the few Gaussian groups with a subnormal code, aside
+    row, multipliers = x[~below_normal.any(-1)][0], q[~below_normal.any(-1)][0]
+    for value in (float("inf"), float("-inf"), float("nan")):
+        assert lanes(row.clone().index_fill_(0, torch.tensor([40]), value), multipliers, fp8) is None, value
+    assert lanes(row, multipliers * 1.5, fp8) is None  # not powers of two
+    # Five blocks: two pairs, and the odd last one through the fp32 loop.
+    got = lanes(row[: 5 * 32].contiguous(), multipliers[:5].contiguous(), fp8)
+    expected = want[~below_normal.any(-1)][0, : 5 * 32]
+    assert got is not None and torch.equal(got.view(torch.uint8), expected)
 
 
 def test_mx_special_blocks():
@@ -171,6 +208,11 @@ def test_mx_special_blocks():
         assert (q.data[1].float() == tiny).all(), (rounding, q.data[1, 0])
         assert mx.dequantize_mx(q.data[2:3], q.scale[2:3])[0, 0].item() == 448.0, rounding
         assert mx.dequantize_mx(q.data[4:5], q.scale[4:5]).isnan().all(), rounding
+        # The infinite block beside the one at the max, in one bf16 row: a pair of blocks for the 16-bit lanes,
+        # which floor's finite 2**-120 does not send to the fp32 loop (a zero block's 2**126 would).
+        row = x[2:4].bfloat16().reshape(1, -1)
+        got = fastmesh.fp8.quantize(row, dtype=E4M3, granularity="mx", scale_rounding=rounding)
+        assert_mx_equal(got, mx.quantize_mx(row, E4M3, rounding), f"{rounding} one bf16 row")
 
 
 def test_mx_errors():

@@ -34,6 +34,11 @@ FASTMESH_DECLARE_QUANTIZE_LOOPS(c10::Half, E4M3)
 FASTMESH_DECLARE_QUANTIZE_LOOPS(c10::Half, E5M2)
 #undef FASTMESH_DECLARE_QUANTIZE_LOOPS
 
+// The bf16 MX lanes of quantize_panel on their own, for tests (fastmesh._C.mx_bf16_lanes): out[i] =
+// fp8(x[i] * q[i / 32]) for n blocks of bf16 bits, or false where the lanes leave the blocks to the fp32 loop.
+bool quantize_mx_bf16_lanes(const uint16_t* x, const float* q, int64_t n, uint8_t* out, E4M3);
+bool quantize_mx_bf16_lanes(const uint16_t* x, const float* q, int64_t n, uint8_t* out, E5M2);
+
 // dst[c * dst_ld + r] = src[r, c] for a tile of at most kFp8Block x kFp8Block bytes, every row of dst written
 // with non-temporal stores where aligned; a thread that wrote any fences with finish_row_stores() when it is done.
 void transpose_tile(Panel<const uint8_t> src, uint8_t* dst, int64_t dst_ld);

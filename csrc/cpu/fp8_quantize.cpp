@@ -103,11 +103,11 @@ struct Bf16Shift {
 constexpr int64_t kMxGroup = 8;
 
 // out[i] = cast_to_fp8_bits(x[i] * q[i / 32]), bit for bit, for the bf16 bits of n MX blocks, two at a time as in
-// quantize_mx_pair (a last odd block through quantize_run). Exact where the FP8 code is normal, zero or saturated;
-// false (out then holds garbage, for quantize_mx_blocks to overwrite) when a multiplier has no shift_exponent or
-// some element's code is not: a non-zero element that is subnormal or underflows in FP8 (variable shifts would
-// round it, which most ISAs lack on 16-bit lanes), inf or NaN. In Gaussian data that is about one group of 8
-// blocks in 45.
+// quantize_mx_pair (a last odd block through quantize_mx_blocks). Exact where the FP8 code is normal, zero or
+// saturated; false (out then holds garbage, for quantize_mx_blocks to overwrite) when a multiplier has no
+// shift_exponent or some element's code is not: a non-zero element that is subnormal or underflows in FP8 (variable
+// shifts would round it, which most ISAs lack on 16-bit lanes), inf or NaN. In torch.randn bf16 that is one group of 8
+// blocks in 40-43 for e4m3fn (rceil-floor, counted through fastmesh._C.mx_bf16_lanes), none for e5m2.
 //
 // The rejections are gathered per lane and tested once per call: a horizontal OR per pair of blocks took about a
 // third of the pairs' time. Below-normal is read off the shifted exponent the cast computes anyway, inf and NaN off
@@ -145,10 +145,8 @@ FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const 
     any_largest = any_largest > largest[i] ? any_largest : largest[i];
   }
   if (any_below != 0 || any_largest >= 0x7f80) return false;
-  if (b < n) {
-    quantize_run<c10::BFloat16, kFormat>(reinterpret_cast<const c10::BFloat16*>(x) + b * kMxBlock, kMxBlock, q[b],
-                                         out + b * kMxBlock);
-  }
+  quantize_mx_blocks<c10::BFloat16, kFormat>(reinterpret_cast<const c10::BFloat16*>(x) + b * kMxBlock, q + b, n - b,
+                                             out + b * kMxBlock);
   return true;
 }
 
@@ -212,6 +210,14 @@ FASTMESH_DEFINE_QUANTIZE_LOOPS(c10::BFloat16, E5M2)
 FASTMESH_DEFINE_QUANTIZE_LOOPS(c10::Half, E4M3)
 FASTMESH_DEFINE_QUANTIZE_LOOPS(c10::Half, E5M2)
 #undef FASTMESH_DEFINE_QUANTIZE_LOOPS
+
+#define FASTMESH_DEFINE_MX_BF16_LANES(Tag)                                                                           \
+  FASTMESH_CPU_CLONES bool quantize_mx_bf16_lanes(const uint16_t* x, const float* q, int64_t n, uint8_t* out, Tag) { \
+    return quantize_mx_blocks_shifted<Tag::value>(x, q, n, out);                                                     \
+  }
+FASTMESH_DEFINE_MX_BF16_LANES(E4M3)
+FASTMESH_DEFINE_MX_BF16_LANES(E5M2)
+#undef FASTMESH_DEFINE_MX_BF16_LANES
 
 namespace {
 
