@@ -87,7 +87,10 @@ struct Bf16Shift {
   static constexpr int kDropBits = kE4M3 ? 4 : 5;  // bf16's 7 mantissa bits less FP8's
   static constexpr int kFp8Bias = kE4M3 ? 7 : 15;
   static constexpr int16_t kMaxCode = kE4M3 ? 0x7e : 0x7b;  // 448, 57344
-  static constexpr int32_t kNone = 1;                       // no shift_exponent: q is not 2^t with k <= 0
+  // The rounded sum that saturates to kMaxCode: below bit 7 + kDropBits, where the cast puts the sign.
+  static constexpr int16_t kMaxSum = (kMaxCode << kDropBits) | ((1 << kDropBits) - 1);
+  static_assert(kMaxSum < (0x80 << kDropBits), "the sign's bit must be free");
+  static constexpr int32_t kNone = 1;  // no shift_exponent: q is not 2^t with k <= 0
 
   // k for q = 2^t (biased fp32 exponent t + 127, no mantissa), or kNone. k <= 0 keeps every bf16 subnormal below
   // FP8's normal range, where the lanes below reject it.
@@ -111,13 +114,13 @@ constexpr int64_t kMxGroup = 8;
 //
 // The rejections are gathered per lane and tested once per call: a horizontal OR per pair of blocks took about a
 // third of the pairs' time. Below-normal is read off the shifted exponent the cast computes anyway, inf and NaN off
-// a running maximum: signed 16-bit compares and maxima only, which AVX2 has too.
+// a running maximum: 16-bit adds, logic and maxima only, which AVX2 has too.
 template <Fp8Format kFormat>
 FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const float* q, int64_t n,
                                                        uint8_t* __restrict out) {
   using Shift = Bf16Shift<kFormat>;
-  // Per lane: whether a non-zero magnitude fell below FP8's normal range, and the largest magnitude (inf and NaN
-  // are those from 0x7f80 on).
+  // Per lane: the sign bit set where a non-zero magnitude fell below FP8's normal range, and the largest magnitude
+  // (inf and NaN are those from 0x7f80 on).
   int16_t below_normal[2 * kMxBlock] = {}, largest[2 * kMxBlock] = {};
   int64_t b = 0;
   for (; b + 2 <= n; b += 2) {
@@ -132,11 +135,16 @@ FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const 
       // FP8's exponent and bf16's mantissa (0 for a zero), rounded to nearest even by the dropped bits. The
       // exponent is below 1 (no normal FP8 code) where shifted < 1 << 7.
       const auto shifted = static_cast<int16_t>(static_cast<uint16_t>(magnitude) + static_cast<uint16_t>(k * 128));
-      below_normal[i] |= (magnitude != 0) & (shifted < (1 << 7));
+      // The sign bits of shifted - (1 << 7) and of ~(magnitude - 1): an and and an or, not two compares and a select.
+      below_normal[i] |= static_cast<int16_t>(shifted - (1 << 7)) & ~static_cast<int16_t>(magnitude - 1);
       const int16_t bits = shifted > 0 ? shifted : 0;
       const int16_t odd = (bits >> Shift::kDropBits) & 1;
-      const auto code = static_cast<int16_t>((bits + ((1 << (Shift::kDropBits - 1)) - 1) + odd) >> Shift::kDropBits);
-      pair_out[i] = static_cast<uint8_t>((code < Shift::kMaxCode ? code : Shift::kMaxCode) | ((pair[i] >> 8) & 0x80));
+      const auto sum = static_cast<int16_t>(bits + ((1 << (Shift::kDropBits - 1)) - 1) + odd);
+      // x's sign just above the saturated sum, so that the rounding's shift leaves code and sign in the low byte:
+      // one narrowing per vector, where OR-ing the sign into the narrowed code took two.
+      const auto word = static_cast<uint16_t>((sum < Shift::kMaxSum ? sum : Shift::kMaxSum) |
+                                              ((pair[i] >> (8 - Shift::kDropBits)) & (0x80 << Shift::kDropBits)));
+      pair_out[i] = static_cast<uint8_t>(word >> Shift::kDropBits);
     }
   }
   int16_t any_below = 0, any_largest = 0;
@@ -144,7 +152,7 @@ FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const 
     any_below |= below_normal[i];
     any_largest = any_largest > largest[i] ? any_largest : largest[i];
   }
-  if (any_below != 0 || any_largest >= 0x7f80) return false;
+  if (any_below < 0 || any_largest >= 0x7f80) return false;
   quantize_mx_blocks<c10::BFloat16, kFormat>(reinterpret_cast<const c10::BFloat16*>(x) + b * kMxBlock, q + b, n - b,
                                              out + b * kMxBlock);
   return true;
