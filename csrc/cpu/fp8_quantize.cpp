@@ -128,13 +128,15 @@ FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const 
     if (k0 == Shift::kNone || k1 == Shift::kNone) return false;
     const uint16_t* pair = x + b * kMxBlock;
     uint8_t* pair_out = out + b * kMxBlock;
+    // k in the exponent field, as 16-bit scalars: a broadcast per block (k per element was widened and permuted).
+    const auto step0 = static_cast<uint16_t>(k0 * 128), step1 = static_cast<uint16_t>(k1 * 128);
     for (int64_t i = 0; i < 2 * kMxBlock; ++i) {
-      const int32_t k = i < kMxBlock ? k0 : k1;
+      const uint16_t step = i < kMxBlock ? step0 : step1;
       const auto magnitude = static_cast<int16_t>(pair[i] & 0x7fff);
       largest[i] = largest[i] > magnitude ? largest[i] : magnitude;
       // FP8's exponent and bf16's mantissa (0 for a zero), rounded to nearest even by the dropped bits. The
       // exponent is below 1 (no normal FP8 code) where shifted < 1 << 7.
-      const auto shifted = static_cast<int16_t>(static_cast<uint16_t>(magnitude) + static_cast<uint16_t>(k * 128));
+      const auto shifted = static_cast<int16_t>(static_cast<uint16_t>(magnitude) + step);
       // The sign bits of shifted - (1 << 7) and of ~(magnitude - 1): an and and an or, not two compares and a select.
       below_normal[i] |= static_cast<int16_t>(shifted - (1 << 7)) & ~static_cast<int16_t>(magnitude - 1);
       const int16_t bits = shifted > 0 ? shifted : 0;
