@@ -9,6 +9,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -19,6 +20,30 @@
 #include "fused/fused_ops.h"
 #include "fused/process_group.h"
 #include "fused/scaled.h"
+
+namespace {
+
+// The arguments of the test hooks on the bf16 MX lanes: a contiguous bf16 CPU x of `dims` dims, one contiguous
+// float32 multiplier per block (`blocks` of them), an FP8 dtype.
+void check_mx_lanes_args(const char* hook, const at::Tensor& x, const at::Tensor& q, at::ScalarType dtype, int64_t dims,
+                         int64_t blocks) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == dims && x.is_contiguous(),
+                    hook, ": x must be a contiguous ", dims, "-D bfloat16 CPU tensor, got ", x.toString(), " of shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(
+      q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 1 && q.is_contiguous() && q.numel() == blocks,
+      hook, ": q must be a contiguous 1-D float32 CPU tensor of one multiplier per block of x (", blocks, "), got ",
+      q.toString(), " of shape ", q.sizes());
+  TORCH_CHECK_VALUE(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2, hook,
+                    ": dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", dtype);
+}
+
+template <typename Fn>
+auto with_fp8_format(at::ScalarType dtype, Fn&& fn) {
+  return dtype == at::kFloat8_e4m3fn ? fn(fastmesh::cpu::E4M3{}) : fn(fastmesh::cpu::E5M2{});
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastmesh C++/CUDA kernels (registered under torch.ops.fastmesh)";
@@ -154,28 +179,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "mx_bf16_lanes",
       [](const at::Tensor& x, const at::Tensor& q, at::ScalarType dtype) -> std::optional<at::Tensor> {
-        TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 1 && x.is_contiguous(),
-                          "mx_bf16_lanes: x must be a contiguous 1-D bfloat16 CPU tensor, got ", x.toString(), " of ",
-                          "shape ", x.sizes());
-        TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 1 && q.is_contiguous() &&
-                              x.numel() == q.numel() * fastmesh::kMxBlock,
-                          "mx_bf16_lanes: q must be a contiguous 1-D float32 CPU tensor of one multiplier per 32 "
-                          "elements of x (",
-                          x.numel() / fastmesh::kMxBlock, "), got ", q.toString(), " of shape ", q.sizes());
-        TORCH_CHECK_VALUE(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2,
-                          "mx_bf16_lanes: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", dtype);
+        check_mx_lanes_args("mx_bf16_lanes", x, q, dtype, 1, x.numel() / fastmesh::kMxBlock);
+        TORCH_CHECK_VALUE(x.numel() % fastmesh::kMxBlock == 0,
+                          "mx_bf16_lanes: x must hold whole blocks of 32, got shape ", x.sizes());
         at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
-        const auto* bits = static_cast<const uint16_t*>(x.const_data_ptr());
-        auto* bytes = static_cast<uint8_t*>(out.mutable_data_ptr());
-        const bool cast = dtype == at::kFloat8_e4m3fn
-                              ? fastmesh::cpu::quantize_mx_bf16_lanes(bits, q.const_data_ptr<float>(), q.numel(), bytes,
-                                                                      fastmesh::cpu::E4M3{})
-                              : fastmesh::cpu::quantize_mx_bf16_lanes(bits, q.const_data_ptr<float>(), q.numel(), bytes,
-                                                                      fastmesh::cpu::E5M2{});
+        const bool cast = with_fp8_format(dtype, [&](auto format) {
+          return fastmesh::cpu::quantize_mx_bf16_lanes(static_cast<const uint16_t*>(x.const_data_ptr()),
+                                                       q.const_data_ptr<float>(), q.numel(),
+                                                       static_cast<uint8_t*>(out.mutable_data_ptr()), format);
+        });
         return cast ? std::optional<at::Tensor>(out) : std::nullopt;
       },
-      "Test-only: the CPU MX cast's 16-bit lanes for bf16 (csrc/cpu/fp8_quantize.cpp) on their own: "
+      "Test-only: the CPU MX cast's 16-bit lanes for bf16 rows (csrc/cpu/fp8_quantize.cpp) on their own: "
       "fp8(x[i] * q[i // 32]) for the blocks of the 1-D bf16 `x`, or None where they leave the blocks to the fp32 "
       "loop (quantize_mx_blocks_shifted says when), as the kernel casts a group of blocks.",
+      arg("x"), arg("q"), arg("dtype"));
+  m.def(
+      "mx_bf16_column_lanes",
+      [](const at::Tensor& x, const at::Tensor& q, at::ScalarType dtype) {
+        check_mx_lanes_args("mx_bf16_column_lanes", x, q, dtype, 2, x.dim() == 2 ? x.size(1) : 0);
+        TORCH_CHECK_VALUE(x.size(1) <= fastmesh::kFp8Block, "mx_bf16_column_lanes: x must have at most ",
+                          fastmesh::kFp8Block, " columns, got shape ", x.sizes());
+        at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+        const int64_t rows = x.size(0), cols = x.size(1);
+        const int64_t recast = with_fp8_format(dtype, [&](auto format) {
+          return fastmesh::cpu::quantize_mx_columns(
+              fastmesh::cpu::Panel<const c10::BFloat16>{x.const_data_ptr<c10::BFloat16>(), rows, cols, cols},
+              q.const_data_ptr<float>(),
+              fastmesh::cpu::Panel<uint8_t>{static_cast<uint8_t*>(out.mutable_data_ptr()), rows, cols, cols}, format);
+        });
+        return std::make_tuple(out, recast);
+      },
+      "Test-only: the column cast of the CPU MX kernel's transposed pass (csrc/cpu/fp8_quantize.cpp) on its own: "
+      "fp8(x[r, c] * q[c]) for the 2-D bf16 `x` of at most 128 columns, and how many columns its 16-bit lanes left "
+      "to the fp32 loop.",
       arg("x"), arg("q"), arg("dtype"));
 }

@@ -146,6 +146,19 @@ def test_mx_casts_every_bf16_value_under_every_scale(rounding):
             assert_mx_equal(got, mx.quantize_mx(x, fp8, rounding), f"{rounding} {fp8} {blocks_per_row}")
 
 
+@pytest.mark.parametrize("rounding", mx.ROUNDINGS)
+def test_mx_transpose_casts_every_bf16_value_under_every_scale(rounding):
+    """The transposed pass casts each column's 32-row block in the same 16-bit lanes, one lane per column: the
+    exhaustive blocks above as the columns of x, whose column-wise cast is the row-wise cast of the blocks."""
+    blocks = every_bf16_below_each_scale(32).view(-1, 32)  # a multiple of 32 blocks: x's rows are MX blocks too
+    for fp8 in (E4M3, E5M2):
+        got = mx_quantize(blocks.t().contiguous(), fp8, rounding, transpose=True)
+        want = mx.quantize_mx(blocks, fp8, rounding)
+        bad = ~fp8_bits_equal(got[3], want.data)
+        assert not bad.any(), f"{rounding} {fp8}: {int(bad.sum())} bytes differ, first at {bad.nonzero()[0].tolist()}"
+        assert torch.equal(got[4].view(torch.uint8), want.scale.view(torch.uint8)), f"{rounding} {fp8}"
+
+
 @pytest.mark.parametrize("fp8", (E4M3, E5M2), ids=("e4m3fn", "e5m2"))
 def test_mx_bf16_lanes_cast_the_groups_they_can_and_leave_the_rest(fp8):
     """The bf16 lanes on their own (``fastmesh._C.mx_bf16_lanes``, groups of 8 blocks as the kernel casts them): they
@@ -179,6 +192,29 @@ def test_mx_bf16_lanes_cast_the_groups_they_can_and_leave_the_rest(fp8):
     got = lanes(row[: 5 * 32].contiguous(), multipliers[:5].contiguous(), fp8)
     expected = want[~below_normal.any(-1)][0, : 5 * 32]
     assert got is not None and torch.equal(got.view(torch.uint8), expected)
+
+
+@pytest.mark.parametrize("fp8", (E4M3, E5M2), ids=("e4m3fn", "e5m2"))
+def test_mx_bf16_column_lanes_recast_exactly_the_columns_they_reject(fp8):
+    """The transposed pass's column cast on its own (``fastmesh._C.mx_bf16_column_lanes``, a 32-row block of 128
+    columns as the kernel casts it): every column equal to the reference, and the fp32 loop used for exactly the
+    columns the lanes cannot cast (an FP8 subnormal planted in some, inf, NaN, a multiplier that is not a power of
+    two)."""
+    column_lanes = _cpp_lib.load().mx_bf16_column_lanes
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(32, 128, generator=g).bfloat16()
+    q = torch.exp2(127 - mx.scale_bits(mx.block_amax(x.t()), fp8, "rceil").double()).float().flatten()
+    planted = torch.rand(128, generator=g) < 0.25
+    x[7, planted] = (torch.finfo(fp8).smallest_normal / 2 / q[planted]).bfloat16()
+    x[3, 100], x[4, 101] = float("inf"), float("nan")
+    q[102] *= 1.5
+    scaled = x.float() * q
+    rejected = ((x != 0) & (scaled.abs() < torch.finfo(fp8).smallest_normal)).any(0) | ~x.float().isfinite().any(0)
+    rejected[[100, 101, 102]] = True
+    got, recast = column_lanes(x, q, fp8)
+    assert recast == int(rejected.sum()) and recast < 64
+    want = torch.where(scaled.isnan(), scaled, scaled.clamp(-mx.FP8_MAX[fp8], mx.FP8_MAX[fp8])).to(fp8)
+    assert fp8_bits_equal(got, want).all()
 
 
 def test_mx_special_blocks():

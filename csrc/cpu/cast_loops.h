@@ -22,10 +22,13 @@ using E5M2 = FormatTag<Fp8Format::kE5M2>;
 
 // quantize_panel: out[r, c] = fp8(x[r, c] * q[r * q_stride + c / block]).
 // quantize_columns: out[r, c] = fp8(x[r, c] * q[c]).
+// quantize_mx_columns: the same for MX multipliers q and at most kFp8Block columns; returns how many columns went
+// through the fp32 loop (bf16: those its 16-bit lanes leave to it; other inputs: all).
 #define FASTMESH_DECLARE_QUANTIZE_LOOPS(scalar_t, Tag)                                                              \
   void quantize_panel(Panel<const scalar_t> x, int64_t block, const float* q, int64_t q_stride, Panel<uint8_t> out, \
                       Tag);                                                                                         \
-  void quantize_columns(Panel<const scalar_t> x, const float* q, Panel<uint8_t> out, Tag);
+  void quantize_columns(Panel<const scalar_t> x, const float* q, Panel<uint8_t> out, Tag);                          \
+  int64_t quantize_mx_columns(Panel<const scalar_t> x, const float* q, Panel<uint8_t> out, Tag);
 FASTMESH_DECLARE_QUANTIZE_LOOPS(float, E4M3)
 FASTMESH_DECLARE_QUANTIZE_LOOPS(float, E5M2)
 FASTMESH_DECLARE_QUANTIZE_LOOPS(c10::BFloat16, E4M3)

@@ -100,27 +100,50 @@ struct Bf16Shift {
     const int32_t k = field - 254 + kFp8Bias;
     return (bits & 0x807fffffu) == 0 && field >= 1 && k <= 0 ? k : kNone;
   }
+
+  // The FP8 code of the bf16 bits x times 2^k, step = k * 128 (k in the exponent field), exact where the code is
+  // normal, zero or saturated. A lane's rejection state: below_normal gets its sign bit set where a non-zero
+  // magnitude falls below FP8's normal range (variable shifts would round it, which most ISAs lack on 16-bit lanes),
+  // largest is the largest magnitude (inf and NaN are those from 0x7f80 on). 16-bit adds, logic and maxima only,
+  // which AVX2 has too.
+  static FASTMESH_ALWAYS_INLINE uint8_t cast(uint16_t x, uint16_t step, int16_t& below_normal, int16_t& largest) {
+    const auto magnitude = static_cast<int16_t>(x & 0x7fff);
+    largest = largest > magnitude ? largest : magnitude;
+    // FP8's exponent and bf16's mantissa (0 for a zero), rounded to nearest even by the dropped bits. The exponent
+    // is below 1 (no normal FP8 code) where shifted < 1 << 7.
+    const auto shifted = static_cast<int16_t>(static_cast<uint16_t>(magnitude) + step);
+    // The sign bits of shifted - (1 << 7) and of ~(magnitude - 1): an and and an or, not two compares and a select.
+    below_normal |= static_cast<int16_t>(shifted - (1 << 7)) & ~static_cast<int16_t>(magnitude - 1);
+    const int16_t bits = shifted > 0 ? shifted : 0;
+    const int16_t odd = (bits >> kDropBits) & 1;
+    const auto sum = static_cast<int16_t>(bits + ((1 << (kDropBits - 1)) - 1) + odd);
+    // x's sign just above the saturated sum, so that the rounding's shift leaves code and sign in the low byte: one
+    // narrowing per vector, where OR-ing the sign into the narrowed code took two.
+    const auto word =
+        static_cast<uint16_t>((sum < kMaxSum ? sum : kMaxSum) | ((x >> (8 - kDropBits)) & (0x80 << kDropBits)));
+    return static_cast<uint8_t>(word >> kDropBits);
+  }
+
+  static FASTMESH_ALWAYS_INLINE bool rejects(int16_t below_normal, int16_t largest) {
+    return below_normal < 0 || largest >= 0x7f80;
+  }
 };
 
 // A row's MX blocks go to quantize_mx_blocks_shifted this many at a time.
 constexpr int64_t kMxGroup = 8;
 
 // out[i] = cast_to_fp8_bits(x[i] * q[i / 32]), bit for bit, for the bf16 bits of n MX blocks, two at a time as in
-// quantize_mx_pair (a last odd block through quantize_mx_blocks). Exact where the FP8 code is normal, zero or
-// saturated; false (out then holds garbage, for quantize_mx_blocks to overwrite) when a multiplier has no
-// shift_exponent or some element's code is not: a non-zero element that is subnormal or underflows in FP8 (variable
-// shifts would round it, which most ISAs lack on 16-bit lanes), inf or NaN. In torch.randn bf16 that is one group of 8
-// blocks in 40-43 for e4m3fn (rceil-floor, counted through fastmesh._C.mx_bf16_lanes), none for e5m2.
+// quantize_mx_pair (a last odd block through quantize_mx_blocks), in Bf16Shift's lanes; false (out then holds
+// garbage, for quantize_mx_blocks to overwrite) when a multiplier has no shift_exponent or a lane rejects. In
+// torch.randn bf16 that is one group of 8 blocks in 40-43 for e4m3fn (rceil-floor, counted through
+// fastmesh._C.mx_bf16_lanes), none for e5m2.
 //
 // The rejections are gathered per lane and tested once per call: a horizontal OR per pair of blocks took about a
-// third of the pairs' time. Below-normal is read off the shifted exponent the cast computes anyway, inf and NaN off
-// a running maximum: 16-bit adds, logic and maxima only, which AVX2 has too.
+// third of the pairs' time.
 template <Fp8Format kFormat>
 FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const float* q, int64_t n,
                                                        uint8_t* __restrict out) {
   using Shift = Bf16Shift<kFormat>;
-  // Per lane: the sign bit set where a non-zero magnitude fell below FP8's normal range, and the largest magnitude
-  // (inf and NaN are those from 0x7f80 on).
   int16_t below_normal[2 * kMxBlock] = {}, largest[2 * kMxBlock] = {};
   int64_t b = 0;
   for (; b + 2 <= n; b += 2) {
@@ -128,25 +151,10 @@ FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const 
     if (k0 == Shift::kNone || k1 == Shift::kNone) return false;
     const uint16_t* pair = x + b * kMxBlock;
     uint8_t* pair_out = out + b * kMxBlock;
-    // k in the exponent field, as 16-bit scalars: a broadcast per block (k per element was widened and permuted).
+    // The steps as 16-bit scalars: a broadcast per block (k per element was widened and permuted).
     const auto step0 = static_cast<uint16_t>(k0 * 128), step1 = static_cast<uint16_t>(k1 * 128);
     for (int64_t i = 0; i < 2 * kMxBlock; ++i) {
-      const uint16_t step = i < kMxBlock ? step0 : step1;
-      const auto magnitude = static_cast<int16_t>(pair[i] & 0x7fff);
-      largest[i] = largest[i] > magnitude ? largest[i] : magnitude;
-      // FP8's exponent and bf16's mantissa (0 for a zero), rounded to nearest even by the dropped bits. The
-      // exponent is below 1 (no normal FP8 code) where shifted < 1 << 7.
-      const auto shifted = static_cast<int16_t>(static_cast<uint16_t>(magnitude) + step);
-      // The sign bits of shifted - (1 << 7) and of ~(magnitude - 1): an and and an or, not two compares and a select.
-      below_normal[i] |= static_cast<int16_t>(shifted - (1 << 7)) & ~static_cast<int16_t>(magnitude - 1);
-      const int16_t bits = shifted > 0 ? shifted : 0;
-      const int16_t odd = (bits >> Shift::kDropBits) & 1;
-      const auto sum = static_cast<int16_t>(bits + ((1 << (Shift::kDropBits - 1)) - 1) + odd);
-      // x's sign just above the saturated sum, so that the rounding's shift leaves code and sign in the low byte:
-      // one narrowing per vector, where OR-ing the sign into the narrowed code took two.
-      const auto word = static_cast<uint16_t>((sum < Shift::kMaxSum ? sum : Shift::kMaxSum) |
-                                              ((pair[i] >> (8 - Shift::kDropBits)) & (0x80 << Shift::kDropBits)));
-      pair_out[i] = static_cast<uint8_t>(word >> Shift::kDropBits);
+      pair_out[i] = Shift::cast(pair[i], i < kMxBlock ? step0 : step1, below_normal[i], largest[i]);
     }
   }
   int16_t any_below = 0, any_largest = 0;
@@ -154,7 +162,7 @@ FASTMESH_ALWAYS_INLINE bool quantize_mx_blocks_shifted(const uint16_t* x, const 
     any_below |= below_normal[i];
     any_largest = any_largest > largest[i] ? any_largest : largest[i];
   }
-  if (any_below < 0 || any_largest >= 0x7f80) return false;
+  if (Shift::rejects(any_below, any_largest)) return false;
   quantize_mx_blocks<c10::BFloat16, kFormat>(reinterpret_cast<const c10::BFloat16*>(x) + b * kMxBlock, q + b, n - b,
                                              out + b * kMxBlock);
   return true;
@@ -205,13 +213,66 @@ FASTMESH_ALWAYS_INLINE void quantize_columns_impl(Panel<const scalar_t> x, const
   }
 }
 
-#define FASTMESH_DEFINE_QUANTIZE_LOOPS(scalar_t, Tag)                                                               \
-  FASTMESH_CPU_CLONES void quantize_panel(Panel<const scalar_t> x, int64_t block, const float* q, int64_t q_stride, \
-                                          Panel<uint8_t> out, Tag) {                                                \
-    quantize_panel_impl<scalar_t, Tag::value>(x, block, q, q_stride, out);                                          \
-  }                                                                                                                 \
-  FASTMESH_CPU_CLONES void quantize_columns(Panel<const scalar_t> x, const float* q, Panel<uint8_t> out, Tag) {     \
-    quantize_columns_impl<scalar_t, Tag::value>(x, q, out);                                                         \
+// out[r, c] = fp8(x[r, c] * q[c]) for the bf16 bits of at most kFp8Block columns, one Bf16Shift lane per column,
+// and the columns whose multiplier has no shift_exponent or whose lane rejects cast again by the fp32 loop; returns
+// how many those were. The transposed MX pass casts each column's 32-row block so.
+template <Fp8Format kFormat, int64_t kMaxCols = kFp8Block>
+FASTMESH_ALWAYS_INLINE int64_t quantize_columns_shifted(Panel<const c10::BFloat16> x, const float* q,
+                                                        Panel<uint8_t> out) {
+  using Shift = Bf16Shift<kFormat>;
+  uint16_t step[kMaxCols];
+  int16_t below_normal[kMaxCols] = {}, largest[kMaxCols];
+  const int64_t cols = x.cols;
+  for (int64_t c = 0; c < cols; ++c) {
+    const int32_t k = Shift::shift_exponent(q[c]);
+    step[c] = static_cast<uint16_t>(k * 128);
+    largest[c] = k == Shift::kNone ? int16_t{0x7fff} : int16_t{0};  // a lane rejected from the start
+  }
+  const auto cast_rows = [&](int64_t n) {
+    for (int64_t r = 0; r < x.rows; ++r) {
+      const auto* row = reinterpret_cast<const uint16_t*>(x.row(r));
+      uint8_t* __restrict row_out = out.row(r);
+      for (int64_t c = 0; c < n; ++c) row_out[c] = Shift::cast(row[c], step[c], below_normal[c], largest[c]);
+    }
+  };
+  // A constant trip count for full tiles: straight vector loops without remainder code.
+  if (cols == kMaxCols) {
+    cast_rows(kMaxCols);
+  } else {
+    cast_rows(cols);
+  }
+  bool any_rejected = false;
+  for (int64_t c = 0; c < cols; ++c) any_rejected |= Shift::rejects(below_normal[c], largest[c]);
+  if (!any_rejected) return 0;
+  int64_t recast = 0;
+  for (int64_t c = 0; c < cols; ++c) {
+    if (!Shift::rejects(below_normal[c], largest[c])) continue;
+    quantize_columns_impl<c10::BFloat16, kFormat>(x.sub(0, c, x.rows, 1), q + c, out.sub(0, c, out.rows, 1));
+    ++recast;
+  }
+  return recast;
+}
+
+template <typename scalar_t, Fp8Format kFormat>
+FASTMESH_ALWAYS_INLINE int64_t quantize_mx_columns_impl(Panel<const scalar_t> x, const float* q, Panel<uint8_t> out) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return quantize_columns_shifted<kFormat>(x, q, out);
+  } else {
+    quantize_columns_impl<scalar_t, kFormat>(x, q, out);
+    return x.cols;
+  }
+}
+
+#define FASTMESH_DEFINE_QUANTIZE_LOOPS(scalar_t, Tag)                                                                 \
+  FASTMESH_CPU_CLONES void quantize_panel(Panel<const scalar_t> x, int64_t block, const float* q, int64_t q_stride,   \
+                                          Panel<uint8_t> out, Tag) {                                                  \
+    quantize_panel_impl<scalar_t, Tag::value>(x, block, q, q_stride, out);                                            \
+  }                                                                                                                   \
+  FASTMESH_CPU_CLONES void quantize_columns(Panel<const scalar_t> x, const float* q, Panel<uint8_t> out, Tag) {       \
+    quantize_columns_impl<scalar_t, Tag::value>(x, q, out);                                                           \
+  }                                                                                                                   \
+  FASTMESH_CPU_CLONES int64_t quantize_mx_columns(Panel<const scalar_t> x, const float* q, Panel<uint8_t> out, Tag) { \
+    return quantize_mx_columns_impl<scalar_t, Tag::value>(x, q, out);                                                 \
   }
 FASTMESH_DEFINE_QUANTIZE_LOOPS(float, E4M3)
 FASTMESH_DEFINE_QUANTIZE_LOOPS(float, E5M2)

@@ -137,9 +137,9 @@ void cast_region(Panel<const scalar_t> region, int64_t row0, int64_t col0, int64
   for (int64_t tile_col = 0; tile_col < cols; tile_col += kTileCols) {
     const int64_t tile_cols = std::min(kTileCols, cols - tile_col);
     for (int64_t b = 0; b < rows / kMxBlock; ++b) {
-      quantize_columns(region.sub(b * kMxBlock, tile_col, kMxBlock, tile_cols), scratch.q_cols[b] + tile_col,
-                       Panel<uint8_t>{scratch.staged + b * kMxBlock * kTileCols, kMxBlock, tile_cols, kTileCols},
-                       Tag{});
+      quantize_mx_columns(region.sub(b * kMxBlock, tile_col, kMxBlock, tile_cols), scratch.q_cols[b] + tile_col,
+                          Panel<uint8_t>{scratch.staged + b * kMxBlock * kTileCols, kMxBlock, tile_cols, kTileCols},
+                          Tag{});
     }
     transpose_tile(Panel<const uint8_t>{scratch.staged, rows, tile_cols, kTileCols},
                    out.data_t + (col0 + tile_col) * m + row0, m);
