@@ -20,7 +20,8 @@ from fastmesh.ops.mx_quantize import mx_quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INPUTS = (torch.float32, torch.bfloat16, torch.float16)
-SHAPES = [(1, 32), (3, 96), (64, 32), (33, 160), (2, 5, 64), (128, 1024), (32,), (7, 0)]
+# (67, 1056): several threads' chunks of blocks, the last one partial and odd, for every input dtype.
+SHAPES = [(1, 32), (3, 96), (64, 32), (33, 160), (2, 5, 64), (128, 1024), (67, 1056), (32,), (7, 0)]
 TRANSPOSE_SHAPES = [(32, 32), (64, 96), (2, 16, 64), (96, 1056), (160, 2080)]  # the last two: partial regions
 
 
