@@ -19,6 +19,7 @@ kernels run for each granularity, and why: ``docs/design/fp8.md``.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -26,6 +27,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from fastmesh._log import log_once
+
+logger = logging.getLogger("fastmesh.kernels.fp8_quantize")
 
 __all__ = ["FP8_MAX", "GRANULARITIES", "Quantized", "amax", "quantize", "scale_shape"]
 
@@ -50,7 +55,10 @@ _FLAT_BLOCK = 4096
 # The flat amax kernel runs at most this many programs (each loops over several blocks), so that the
 # combine is a bounded number of atomics on one word rather than one per block.
 _FLAT_MAX_PROGRAMS = 1024
-_ROW_BLOCK = 4096
+# Rowwise: at 8192 a row of 8192 is one block held in registers between its amax and its cast (one read of x); at
+# 4096 it was two sweeps. H200, 8192 x 8192 bf16 (bench/gpu_check_fp8.py --sweep, 2026-12-04): 0.051 ms (94% of
+# copy) against 0.061 ms.
+_ROW_BLOCK = 8192
 _TRANSPOSE_TILE = 64
 _BLOCK1X128_ROWS = 32
 
@@ -456,6 +464,36 @@ def amax(x: torch.Tensor, granularity: str = "tensorwise", *, wrap: Callable | N
     return out_bits.view(torch.float32)
 
 
+def _quantize_transpose_by_copy(x, dtype, granularity, scale, amax, power_of_two, wrap) -> Quantized:
+    """transpose=True for tensorwise / block128x128 with a float32 or float16 x: the cast of x, then the cast of a
+    transposed copy of x under the same multipliers (its amax, or the given scale, transposed for 128 x 128).
+
+    The one-pass kernel's transposed store (one multiplier per tile) wrote wrong data_t bytes for float32 inputs on
+    an H200 under triton 3.6 (bench/gpu_check_fp8.py, 2026-12-04: a quarter to a third of [2112, 4224]; bfloat16
+    and the per-row / per-column branch were right); the cause is not found, so these inputs take two passes."""
+    log_once(
+        logger,
+        logging.WARNING,
+        ("transpose-by-copy", granularity, x.dtype),
+        "fastmesh.kernels.fp8_quantize: transpose=True with granularity %r and %s input casts x, then a transposed "
+        "copy of x (the one-pass transposed store is wrong for these inputs on an H200 with triton 3.6; see "
+        "docs/fp8.md)",
+        granularity,
+        x.dtype,
+    )
+    rows = x.reshape(_rows_cols(x.shape))
+    first = quantize(rows, dtype, granularity, scale, amax, False, power_of_two, wrap=wrap)
+
+    def transposed(t):
+        return t if t is None or t.dim() == 0 else t.t().contiguous()
+
+    # The same multipliers: a given scale stays given; otherwise the amax (given or just computed) is given.
+    given_scale, given_amax = (transposed(scale), None) if scale is not None else (None, transposed(first.amax))
+    columns = rows.t().contiguous()
+    second = quantize(columns, dtype, granularity, given_scale, given_amax, False, power_of_two, wrap=wrap)
+    return Quantized(first.data.reshape(x.shape), first.scale, first.amax, second.data, second.scale)
+
+
 def quantize(
     x: torch.Tensor,
     dtype: torch.dtype,
@@ -514,6 +552,8 @@ def quantize(
     if given is not None:
         _check_given("scale" if scale is not None else "amax", given, x, s_shape, granularity)
         given = given.contiguous()
+    if transpose and gran in (_TENSORWISE, _BLOCK128X128) and x.dtype != torch.bfloat16:
+        return _quantize_transpose_by_copy(x, dtype, granularity, scale, amax, power_of_two, wrap)
     fp8_max = FP8_MAX[dtype]
     device = x.device
 

@@ -1,4 +1,4 @@
-"""Triton kernel of the MX cast (MXFP8; ``fastmesh::mx_quantize`` on CUDA), and its launcher.
+"""Triton kernels of the MX cast (MXFP8; ``fastmesh::mx_quantize`` on CUDA), and its launcher.
 
 The contract is that of :func:`fastmesh.kernels.mx_reference.quantize_mx`, bit for bit (NaN bytes aside: the
 kernel writes the hardware's canonical NaN). On ``x`` viewed as ``[M, K]``, per block of 32 consecutive elements
@@ -8,12 +8,14 @@ of a row (and with ``transpose``, of 32 consecutive rows of a column)::
     bits  = mx_scale_bits(amax)            the biased E8M0 exponent, "floor" or "rceil"   (csrc/.../mx_math.h)
     data  = fp8(clamp(float(x) * mx_multiplier(bits), -fp8_max, fp8_max))   one fp32 multiply, native RNE cast
 
-One program per ``[BLOCK_M, BLOCK_K]`` tile (both multiples of 32) reads x once and writes data, scale and amax,
-and with ``transpose`` data_t (through ``tl.trans``) and scale_t. Shapes: those of the op
-(``fastmesh/ops/mx_quantize.py``): data x's shape, scale (E8M0) and amax (fp32) ``[..., K/32]``, data_t ``[K, M]``,
-scale_t ``[K, M/32]``. :func:`quantize` checks its arguments as the op does (TypeError / ValueError) and takes
-``wrap``, applied to the kernel before its launch (the op passes ``torch.library.wrap_triton``; tests under
-``TRITON_INTERPRET=1`` pass nothing).
+Without ``transpose`` the blocks are consecutive runs of 32 elements of the flat x: one program casts
+``_FLAT_BLOCKS`` of them, a ``[_FLAT_BLOCKS, 32]`` tile whose rows are the blocks (no reshape, so no layout change
+between the load, the block max and the store). With ``transpose`` one program per ``[BLOCK_M, BLOCK_K]`` tile
+(both multiples of 32) reads x once and writes data, scale and amax, data_t (through ``tl.trans``) and scale_t.
+Shapes: those of the op (``fastmesh/ops/mx_quantize.py``): data x's shape, scale (E8M0) and amax (fp32)
+``[..., K/32]``, data_t ``[K, M]``, scale_t ``[K, M/32]``. :func:`quantize` checks its arguments as the op does
+(TypeError / ValueError) and takes ``wrap``, applied to the kernel before its launch (the op passes
+``torch.library.wrap_triton``; tests under ``TRITON_INTERPRET=1`` pass nothing).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from fastmesh.kernels.fp8_quantize import FP8_MAX, Quantized, _cast, _cdiv, _launcher, _load, _program_tile, _unused
+from fastmesh.kernels.fp8_quantize import FP8_MAX, Quantized, _cast, _cdiv, _launcher, _load, _program_tile
 
 from fastmesh.ops._checks import MX_BLOCK
 from fastmesh.ops.mx_quantize import _shapes, check_mx_args
@@ -34,8 +36,12 @@ __all__ = ["quantize"]
 _OP = "fastmesh.kernels.mx_quantize"
 # fp8_emax of mx_math.h: the exponent of the format's largest power of two (448 = 1.75 * 2^8).
 _EMAX = {dtype: math.frexp(fp8_max)[1] - 1 for dtype, fp8_max in FP8_MAX.items()}
-# The tile of one program: a first choice, not yet tuned on a GPU (bench/gpu_check_fp8.py measures it).
-_BLOCK_M = 64
+# Work per program, from `bench/gpu_check_fp8.py --impl triton --sweep` on an H200 (2026-12-04, 8192 x 8192 bf16,
+# CUDA-graph times): flat 128 blocks 0.051 ms (100% of copy) against 0.054 at 256 and 0.059 at 512; the
+# transposed tile 32 x 128 0.161 ms against 0.275 at 64 x 128 and 0.308 at 64 x 256.
+_FLAT_BLOCKS = 128
+_FLAT_WARPS = 8
+_BLOCK_M = 32
 _BLOCK_K = 128
 
 _E8M0_BIAS: tl.constexpr = tl.constexpr(127)
@@ -101,7 +107,33 @@ def _mx_multiplier(b, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _mx_quantize_kernel(
+def _mx_flat_kernel(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    amax_ptr,
+    num_blocks,
+    RCEIL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EMAX: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """The MX cast of BLOCKS consecutive 32-element blocks of the flat x (num_blocks in all); scale_ptr a uint8 view."""
+    blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    block_ok = blocks < num_blocks
+    offsets = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    mask = tl.broadcast_to(block_ok[:, None], [BLOCKS, 32])
+    value, bits = _load(x_ptr, offsets, mask)
+    amax_bits = tl.max(bits, axis=1)
+    e8m0 = _mx_scale_bits(amax_bits.to(tl.float32, bitcast=True), FP8_MAX, EMAX, RCEIL)
+    data = _cast(value, _mx_multiplier(e8m0, RCEIL)[:, None], FP8_MAX, data_ptr.dtype.element_ty)
+    tl.store(data_ptr + offsets, data, mask=mask)
+    tl.store(scale_ptr + blocks, e8m0.to(tl.uint8), mask=block_ok)
+    tl.store(amax_ptr + blocks, amax_bits.to(tl.float32, bitcast=True), mask=block_ok)
+
+
+@triton.jit
+def _mx_transpose_kernel(
     x_ptr,
     data_ptr,
     scale_ptr,
@@ -112,13 +144,12 @@ def _mx_quantize_kernel(
     K,
     tiles_k,
     RCEIL: tl.constexpr,
-    TRANSPOSE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The MX cast of one [BLOCK_M, BLOCK_K] tile of x ([M, K], 32 | K; with TRANSPOSE also 32 | M).
+    """The MX cast of one [BLOCK_M, BLOCK_K] tile of x ([M, K], 32 | K and 32 | M), by rows and by columns.
 
     scale_ptr / scale_t_ptr: uint8 views of the E8M0 outputs. Rows past M load as 0, so a column block
     with no row of x has amax 0; every store of them is masked."""
@@ -140,18 +171,17 @@ def _mx_quantize_kernel(
     tl.store(scale_ptr + blocks, row_e8m0.to(tl.uint8), mask=block_mask)
     tl.store(amax_ptr + blocks, row_amax_bits.to(tl.float32, bitcast=True), mask=block_mask)
 
-    if TRANSPOSE:
-        # Column blocks: 32 consecutive rows of a column, cast from the same registers.
-        col_amax_bits = tl.max(tl.reshape(bits, [BLOCK_M // 32, 32, BLOCK_K]), axis=1)
-        col_e8m0 = _mx_scale_bits(col_amax_bits.to(tl.float32, bitcast=True), FP8_MAX, EMAX, RCEIL)
-        col_q = _mx_multiplier(col_e8m0, RCEIL)
-        data_t = _cast(tl.reshape(value, [BLOCK_M // 32, 32, BLOCK_K]), col_q[:, None, :], FP8_MAX, fp8)
-        data_t = tl.reshape(data_t, [BLOCK_M, BLOCK_K])
-        tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(data_t), mask=tl.trans(mask))
-        block_rows = pid_m * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
-        blocks_t = cols[None, :] * (M // 32) + block_rows[:, None]
-        block_t_mask = (block_rows < M // 32)[:, None] & col_ok[None, :]
-        tl.store(scale_t_ptr + blocks_t, col_e8m0.to(tl.uint8), mask=block_t_mask)
+    # Column blocks: 32 consecutive rows of a column, cast from the same registers.
+    col_amax_bits = tl.max(tl.reshape(bits, [BLOCK_M // 32, 32, BLOCK_K]), axis=1)
+    col_e8m0 = _mx_scale_bits(col_amax_bits.to(tl.float32, bitcast=True), FP8_MAX, EMAX, RCEIL)
+    col_q = _mx_multiplier(col_e8m0, RCEIL)
+    data_t = _cast(tl.reshape(value, [BLOCK_M // 32, 32, BLOCK_K]), col_q[:, None, :], FP8_MAX, fp8)
+    data_t = tl.reshape(data_t, [BLOCK_M, BLOCK_K])
+    tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(data_t), mask=tl.trans(mask))
+    block_rows = pid_m * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
+    blocks_t = cols[None, :] * (M // 32) + block_rows[:, None]
+    block_t_mask = (block_rows < M // 32)[:, None] & col_ok[None, :]
+    tl.store(scale_t_ptr + blocks_t, col_e8m0.to(tl.uint8), mask=block_t_mask)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,23 +230,34 @@ def quantize(
     if transpose:
         data_t = torch.empty(data_t_shape, dtype=dtype, device=device)
         scale_t = torch.empty(scale_t_shape, dtype=torch.float8_e8m0fnu, device=device)
-    if x.numel() > 0:
-        block_m, block_k = _tile(k)
-        tiles_k = _cdiv(k, block_k)
-        data_t_arg = data_t if transpose else _unused(dtype, device)
-        scale_t_arg = scale_t.view(torch.uint8) if transpose else _unused(torch.uint8, device)
-        _launcher(_mx_quantize_kernel, wrap)[(_cdiv(m, block_m) * tiles_k,)](
+    if x.numel() > 0 and not transpose:
+        num_blocks = x.numel() // MX_BLOCK
+        _launcher(_mx_flat_kernel, wrap)[(_cdiv(num_blocks, _FLAT_BLOCKS),)](
             x,
             data,
             scale.view(torch.uint8),
             amax,
-            data_t_arg,
-            scale_t_arg,
+            num_blocks,
+            RCEIL=scale_rounding == "rceil",
+            FP8_MAX=FP8_MAX[dtype],
+            EMAX=_EMAX[dtype],
+            BLOCKS=_FLAT_BLOCKS,
+            num_warps=_FLAT_WARPS,
+        )
+    elif x.numel() > 0:
+        block_m, block_k = _tile(k)
+        tiles_k = _cdiv(k, block_k)
+        _launcher(_mx_transpose_kernel, wrap)[(_cdiv(m, block_m) * tiles_k,)](
+            x,
+            data,
+            scale.view(torch.uint8),
+            amax,
+            data_t,
+            scale_t.view(torch.uint8),
             m,
             k,
             tiles_k,
             RCEIL=scale_rounding == "rceil",
-            TRANSPOSE=bool(transpose),
             FP8_MAX=FP8_MAX[dtype],
             EMAX=_EMAX[dtype],
             BLOCK_M=block_m,

@@ -59,7 +59,10 @@ KERNEL_MODULE = "fastmesh.kernels.fp8_quantize"
 # dgrad): the output gradient (e5m2) and the weights (e4m3, transposed).
 QUANTIZED_FORWARD = 4 + 2 + 3 + 2
 QUANTIZED_BACKWARD = 2 * 4
-MX_KERNEL = "fastmesh.kernels.mx_quantize._mx_quantize_kernel"
+MX_KERNELS = {
+    False: "fastmesh.kernels.mx_quantize._mx_flat_kernel",
+    True: "fastmesh.kernels.mx_quantize._mx_transpose_kernel",
+}
 MX_ROWS, MX_COLS = 64, 256
 
 
@@ -412,14 +415,14 @@ def test_backward_not_in_fp8_has_no_triton_kernels(traced):
 
 
 def test_mx_cast_graph_holds_its_triton_kernel(traced):
-    # fastmesh::mx_quantize is a triton_op too: on CUDA its one Triton kernel is in the graph, not the C++ op;
-    # with FASTMESH_FP8_CUDA_IMPL=cuda the graph calls the C++ op instead.
+    # fastmesh::mx_quantize is a triton_op too: on CUDA its Triton kernel (the flat one; with transpose the tile
+    # kernel) is in the graph, not the C++ op; with FASTMESH_FP8_CUDA_IMPL=cuda the graph calls the C++ op instead.
     e4m3, e8m0 = str(torch.float8_e4m3fn), str(torch.float8_e8m0fnu)
     scale = [e8m0, [MX_ROWS, MX_COLS // 32], "cuda"]
     for impl, transpose in itertools.product(("triton", "cuda"), (False, True)):
         graph = traced["mx cast"][f"{impl} transpose={transpose}"]
         if impl == "triton":
-            assert graph["kernels"] == [MX_KERNEL], graph["kernels"]
+            assert graph["kernels"] == [MX_KERNELS[transpose]], graph["kernels"]
             assert WRAPPER in graph["code"] and "mx_quantize_native" not in graph["code"]
         else:
             assert not graph["kernels"] and WRAPPER not in graph["code"]

@@ -662,9 +662,13 @@ def test_wrap_is_applied_to_every_launch():
     launched.clear()
     fq.quantize(x, E5M2, "rowwise", wrap=wrap)
     fq.quantize(x, E5M2, "block1x128", transpose=True, wrap=wrap)
-    fq.quantize(x, E5M2, "block128x128", amax=torch.ones(2, 3), transpose=True, wrap=wrap)
+    fq.quantize(x.bfloat16(), E5M2, "block128x128", amax=torch.ones(2, 3), transpose=True, wrap=wrap)
     fq.amax(x, "block1x128", wrap=wrap)
     assert launched == ["_rowwise_kernel", "_quantize_tiles_kernel", "_quantize_tiles_kernel", "_amax_tiles_kernel"]
+    launched.clear()
+    # float32 with one multiplier per tile and transpose: the cast of x, then of its transposed copy (two launches).
+    fq.quantize(x, E5M2, "block128x128", amax=torch.ones(2, 3), transpose=True, wrap=wrap)
+    assert launched == ["_quantize_tiles_kernel", "_quantize_tiles_kernel"]
 
 
 @needs_interpreter

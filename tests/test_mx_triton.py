@@ -72,8 +72,11 @@ def test_kernel_compiles_for_hopper():
         pytest.skip("this triton has no NVIDIA backend")
     from fastmesh.kernels import mx_quantize as mq
 
-    kernel = mq._mx_quantize_kernel
-    for x_type, fp8, rceil, transpose in [("*bf16", E4M3, True, True), ("*fp32", E5M2, False, False)]:
+    cases = [
+        (mq._mx_transpose_kernel, "*bf16", E4M3, True, dict(BLOCK_M=64, BLOCK_K=128)),
+        (mq._mx_flat_kernel, "*fp32", E5M2, False, dict(BLOCKS=mq._FLAT_BLOCKS)),
+    ]
+    for kernel, x_type, fp8, rceil, tile in cases:
         signature = {}
         for param in kernel.params:
             if param.is_constexpr:
@@ -88,9 +91,7 @@ def test_kernel_compiles_for_hopper():
                 signature[param.name] = "*fp32"
             else:
                 signature[param.name] = "i32"
-        constants = dict(
-            RCEIL=rceil, TRANSPOSE=transpose, FP8_MAX=mq.FP8_MAX[fp8], EMAX=mq._EMAX[fp8], BLOCK_M=64, BLOCK_K=128
-        )
+        constants = dict(RCEIL=rceil, FP8_MAX=mq.FP8_MAX[fp8], EMAX=mq._EMAX[fp8], **tile)
         source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
         divisions = set(re.findall(r"\b(?:div|rcp)\.[\w.]*f32", ptx))
@@ -112,7 +113,7 @@ def modules():
     import triton
     from fastmesh.kernels import mx_quantize, mx_reference
 
-    if not isinstance(mx_quantize._mx_quantize_kernel, triton.runtime.interpreter.InterpretedFunction):
+    if not isinstance(mx_quantize._mx_flat_kernel, triton.runtime.interpreter.InterpretedFunction):
         pytest.skip("mx_quantize was imported before TRITON_INTERPRET=1 took effect")
     return mx_quantize, mx_reference
 
@@ -344,7 +345,7 @@ def test_wrap_is_applied_to_the_launch():
 
     mq.quantize(torch.randn(64, 96), E4M3, "floor", True, wrap=wrap)
     mq.quantize(torch.randn(3, 32), E5M2, "rceil", wrap=wrap)
-    assert launched == ["_mx_quantize_kernel"] * 2
+    assert launched == ["_mx_transpose_kernel", "_mx_flat_kernel"]
     launched.clear()
     q = mq.quantize(torch.randn(0, 64), E4M3, "floor", True, wrap=wrap)
     assert not launched and q.data.shape == (0, 64) and q.scale.shape == (0, 2) and q.scale_t.shape == (64, 0)
