@@ -22,9 +22,11 @@ Standalone, for a machine with an NVIDIA GPU (torch 2.11+ with CUDA; fastmesh bu
    kernel) against ``kernels/mx_reference.py``, both roundings, with and without transpose, on shapes 32
    divides, the data above plus blocks whose amax sits at and one ulp around the rules' powers of two.
 2. Bandwidth. 8192 x 8192 bfloat16 per granularity (and with transpose), and the MX cast per rounding (and
-   with transpose), timed with CUDA events (median of many runs), in GB/s of logical bytes (x read once +
-   every output written once), against a device-to-device copy of x measured in the same run (bytes read +
-   written). Target: >= 85% of copy.
+   with transpose), timed with CUDA events (median of many runs) two ways: one eager call on an idle GPU (host
+   launch work included) and one call of a replayed CUDA graph (the kernels alone). GB/s of logical bytes (x read
+   once + every output written once) from the graph time, against a device-to-device copy of x timed the same way
+   (bytes read + written). Target: >= 85% of copy. ``--sweep`` (with ``--impl triton``) also times each Triton
+   work-per-program setting through a few values, each variant's output bytes checked equal to the default's.
 
 Exit status: 0 all checks pass; 1 a kernel disagrees with the reference (or raised); 2 setup failed;
 3 the kernels agree, but only with a corrected reference (see ``reference_self_check`` / ``expected_quantize``);
@@ -688,7 +690,8 @@ def check_mx_rejections(failures: list) -> int:
 
 
 def time_ms(fn, repeats: int, warmup: int = 5) -> tuple[float, float]:
-    """Median and interquartile range (ms) of one call, CUDA events around each call."""
+    """Median and interquartile range (ms) of one eager call on an idle GPU, CUDA events around it: the kernels'
+    time plus whatever of the host's launch work the GPU waits for."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -704,20 +707,84 @@ def time_ms(fn, repeats: int, warmup: int = 5) -> tuple[float, float]:
     return statistics.median(samples), q[2] - q[0]
 
 
-def bench(ref, mx_ref, repeats: int) -> list[tuple]:
-    m = k = 8192
+GRAPH_CALLS = 10
+
+
+def time_graph_ms(fn, repeats: int) -> tuple[float, float]:
+    """Median and interquartile range (ms) of one call inside a CUDA graph of GRAPH_CALLS calls, replayed: the
+    kernels' time alone (host launch work is out of it), which is what the bandwidth target is about."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_CALLS):
+                fn()
+    except RuntimeError as error:  # e.g. a host sync inside the call: reported, and the eager time still stands
+        print(f"  (no CUDA graph: {type(error).__name__}: {str(error).splitlines()[0][:100]})")
+        torch.cuda.synchronize()
+        return math.nan, math.nan
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / GRAPH_CALLS)
+    del graph
+    torch.cuda.empty_cache()
+    q = statistics.quantiles(samples, n=4)
+    return statistics.median(samples), q[2] - q[0]
+
+
+def timed_row(name: str, fn, nbytes: int, copy_gbs: float, repeats: int) -> tuple:
+    """(name, eager ms, graph ms, graph IQR ms, GB/s and % of copy from the graph time)."""
+    eager_ms, _ = time_ms(fn, repeats)
+    ms, iqr = time_graph_ms(fn, repeats)
+    gbs = nbytes / ms / 1e6
+    return (name, eager_ms, ms, iqr, gbs, 100 * gbs / copy_gbs)
+
+
+def output_bytes(out) -> int:
+    return sum(t.numel() * t.element_size() for t in out if t is not None)
+
+
+def bench_input() -> torch.Tensor:
     gen = torch.Generator(device="cuda").manual_seed(7)
-    x = (
-        torch.randn(m, k, device="cuda", generator=gen)
-        * torch.exp2(torch.randint(-8, 9, (m, 1), device="cuda", generator=gen).float())
+    return (
+        torch.randn(8192, 8192, device="cuda", generator=gen)
+        * torch.exp2(torch.randint(-8, 9, (8192, 1), device="cuda", generator=gen).float())
     ).to(torch.bfloat16)
+
+
+def copy_row(x: torch.Tensor, repeats: int) -> tuple:
     copy_out = torch.empty_like(x)
-    copy_ms, copy_iqr = time_ms(lambda: copy_out.copy_(x), repeats)
-    copy_gbs = 2 * x.numel() * x.element_size() / copy_ms / 1e6
-    rows = [("device-to-device copy (bound)", copy_ms, copy_iqr, copy_gbs, 100.0)]
-    amax_ms, amax_iqr = time_ms(lambda: torch.ops.fastmesh.amax(x, "tensorwise"), repeats)
-    read_gbs = x.numel() * x.element_size() / amax_ms / 1e6
-    rows.append(("fastmesh.amax tensorwise (read only)", amax_ms, amax_iqr, read_gbs, 100 * read_gbs / copy_gbs))
+    row = timed_row("device-to-device copy (bound)", lambda: copy_out.copy_(x), 2 * x.numel() * x.element_size(), 1, 5)
+    ms = row[2]
+    copy_gbs = 2 * x.numel() * x.element_size() / ms / 1e6
+    return (*row[:4], copy_gbs, 100.0)
+
+
+def bench(ref, mx_ref, repeats: int) -> list[tuple]:
+    x = bench_input()
+    rows = [copy_row(x, repeats)]
+    copy_gbs = rows[0][4]
+    rows.append(
+        timed_row(
+            "fastmesh.amax tensorwise (read only)",
+            lambda: torch.ops.fastmesh.amax(x, "tensorwise"),
+            x.numel() * x.element_size(),
+            copy_gbs,
+            repeats,
+        )
+    )
     scale_given = torch.ones((), device="cuda")
     for granularity, transpose, given in [(g, False, False) for g in GRANULARITIES] + [
         ("tensorwise", False, True),
@@ -728,37 +795,111 @@ def bench(ref, mx_ref, repeats: int) -> list[tuple]:
     ]:
         scale = scale_given if given else None
 
-        def call():
+        def call(granularity=granularity, scale=scale, transpose=transpose):
             return quantize_op(x, E4M3, granularity, scale, None, transpose, False)
 
-        out = call()
-        nbytes = x.numel() * x.element_size() + sum(t.numel() * t.element_size() for t in out if t is not None)
-        ms, iqr = time_ms(call, repeats)
-        gbs = nbytes / ms / 1e6
+        nbytes = x.numel() * x.element_size() + output_bytes(call())
         name = f"{granularity}{' given scale' if given else ''}{' +transpose' if transpose else ''}"
-        rows.append((name, ms, iqr, gbs, 100 * gbs / copy_gbs))
+        rows.append(timed_row(name, call, nbytes, copy_gbs, repeats))
     if mx_ref is not None:
         for rounding, transpose in (("floor", False), ("rceil", False), ("floor", True), ("rceil", True)):
 
             def mx_call(rounding=rounding, transpose=transpose):
                 return mx_op(x, E4M3, rounding, transpose)
 
-            nbytes = x.numel() * x.element_size() + sum(
-                t.numel() * t.element_size() for t in mx_call() if t is not None
-            )
-            ms, iqr = time_ms(mx_call, repeats)
-            gbs = nbytes / ms / 1e6
-            rows.append((f"mx {rounding}{' +transpose' if transpose else ''}", ms, iqr, gbs, 100 * gbs / copy_gbs))
+            nbytes = x.numel() * x.element_size() + output_bytes(mx_call())
+            name = f"mx {rounding}{' +transpose' if transpose else ''}"
+            rows.append(timed_row(name, mx_call, nbytes, copy_gbs, repeats))
     # Context: the plain-PyTorch reference on the GPU (several kernels, fp32 intermediates).
-    ms, iqr = time_ms(lambda: ref.quantize(x, E4M3, "rowwise"), max(5, repeats // 5), warmup=2)
     nbytes = x.numel() * (x.element_size() + 1)
-    rows.append(("reference rowwise (eager torch)", ms, iqr, nbytes / ms / 1e6, 100 * nbytes / ms / 1e6 / copy_gbs))
+    rows.append(
+        timed_row(
+            "reference rowwise (eager torch)", lambda: ref.quantize(x, E4M3, "rowwise"), nbytes, copy_gbs, repeats // 5
+        )
+    )
     if mx_ref is not None:
-        ms, iqr = time_ms(lambda: mx_ref.quantize_mx(x, E4M3, "floor"), max(5, repeats // 5), warmup=2)
         nbytes = x.numel() * (x.element_size() + 1) + x.numel() // 32 * 5
-        gbs = nbytes / ms / 1e6
-        rows.append(("reference mx floor (eager torch)", ms, iqr, gbs, 100 * gbs / copy_gbs))
+        rows.append(
+            timed_row(
+                "reference mx floor (eager torch)",
+                lambda: mx_ref.quantize_mx(x, E4M3, "floor"),
+                nbytes,
+                copy_gbs,
+                repeats // 5,
+            )
+        )
     return rows
+
+
+# The Triton kernels' work per program, as module settings of kernels/fp8_quantize.py and kernels/mx_quantize.py that
+# their launchers read at each call: (module, setting, values). The first value of each is the one the code has.
+SWEEP = (
+    ("mx_quantize", "_FLAT_BLOCKS", (128, 64, 256, 1024)),
+    ("mx_quantize", "_FLAT_WARPS", (8, 4, 16)),
+    ("mx_quantize", "_BLOCK_M", (32, 64, 128)),
+    ("mx_quantize", "_BLOCK_K", (128, 256)),
+    ("fp8_quantize", "_FLAT_BLOCK", (4096, 2048, 8192, 16384)),
+    ("fp8_quantize", "_TRANSPOSE_TILE", (64, 32, 128)),
+    ("fp8_quantize", "_BLOCK1X128_ROWS", (32, 16, 64)),
+    ("fp8_quantize", "_ROW_BLOCK", (8192, 4096, 16384)),
+)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def sweep(repeats: int) -> list[tuple]:
+    """Each Triton work-per-program setting through its values (the others at their defaults), timed on the cases it
+    governs; each variant's output bytes must equal the default's, or the row says MISMATCH."""
+    from fastmesh.kernels import fp8_quantize as fq
+    from fastmesh.kernels import mx_quantize as mq
+
+    modules = {"fp8_quantize": fq, "mx_quantize": mq}
+    x = bench_input()
+    rows = [copy_row(x, repeats)]
+    copy_gbs = rows[0][4]
+    cases = {
+        "_FLAT_BLOCKS": [("mx floor", lambda: _mx_triton(x, E4M3, "floor", False))],
+        "_BLOCK_M": [("mx floor +transpose", lambda: _mx_triton(x, E4M3, "floor", True))],
+        "_FLAT_BLOCK": [("tensorwise", lambda: _quantize_triton(x, E4M3, "tensorwise", None, None, False, False))],
+        "_TRANSPOSE_TILE": [
+            ("tensorwise +transpose", lambda: _quantize_triton(x, E4M3, "tensorwise", None, None, True, False)),
+            ("rowwise +transpose", lambda: _quantize_triton(x, E4M3, "rowwise", None, None, True, False)),
+        ],
+        "_BLOCK1X128_ROWS": [("block1x128", lambda: _quantize_triton(x, E4M3, "block1x128", None, None, False, False))],
+        "_ROW_BLOCK": [("rowwise", lambda: _quantize_triton(x, E4M3, "rowwise", None, None, False, False))],
+    }
+    cases["_FLAT_WARPS"] = cases["_FLAT_BLOCKS"]
+    cases["_BLOCK_K"] = cases["_BLOCK_M"]
+    for module_name, setting, values in SWEEP:
+        module = modules[module_name]
+        default = getattr(module, setting)
+        try:
+            for name, call in cases[setting]:
+                setattr(module, setting, default)
+                want = call()
+                for value in values:
+                    setattr(module, setting, value)
+                    label = f"{name}: {setting}={value}{' (default)' if value == default else ''}"
+                    try:
+                        got = call()
+                        # The same kernel source writes the same NaN bytes: the outputs' bytes must be equal.
+                        same = all(a is None or bool(torch.equal(_bytes(a), _bytes(b))) for a, b in zip(got, want))
+                        nbytes = x.numel() * x.element_size() + output_bytes(got)
+                        row = timed_row(label, call, nbytes, copy_gbs, repeats)
+                        rows.append(row if same else (f"{label} MISMATCH", *row[1:]))
+                    except Exception as error:  # a variant that does not compile or launch is reported, not fatal
+                        rows.append((f"{label} FAILED {type(error).__name__}: {str(error)[:80]}", 0, 0, 0, 0, 0))
+        finally:
+            setattr(module, setting, default)
+    return rows
+
+
+def print_rows(rows: list[tuple]) -> None:
+    print(f"{'case':58s} {'eager ms':>9s} {'graph ms':>9s} {'IQR ms':>7s} {'GB/s':>7s} {'% of copy':>10s}")
+    for name, eager_ms, ms, iqr, gbs, percent in rows:
+        print(f"{name:58s} {eager_ms:9.3f} {ms:9.3f} {iqr:7.3f} {gbs:7.0f} {percent:9.0f}%")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -828,6 +969,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer shapes and data variants")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time the Triton kernels' work-per-program settings (--impl triton)"
+    )
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument(
         "--check-seconds",
@@ -860,8 +1004,11 @@ def main() -> int:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device visible", file=sys.stderr)
         return 2
+    if args.sweep and args.impl != "triton":
+        parser.error("--sweep times the Triton kernels: add --impl triton")
     if DEVICE != "cuda":
         args.skip_bench = True
+        args.sweep = False
     try:
         source = load_ops(args.library)
         ref = load_reference()
@@ -927,12 +1074,17 @@ def main() -> int:
             "\nbandwidth, 8192 x 8192 bfloat16 -> float8_e4m3fn (current scaling unless noted); logical bytes = "
             "x read once + outputs written once; copy counts read + write"
         )
-        print(f"{'case':40s} {'median ms':>10s} {'IQR ms':>8s} {'GB/s':>8s} {'% of copy':>10s}")
-        for name, ms, iqr, gbs, percent in bench(ref, mx_ref, args.repeats):
-            print(f"{name:40s} {ms:10.3f} {iqr:8.3f} {gbs:8.0f} {percent:9.0f}%")
+        print(
+            f"eager ms: one call on an idle GPU (CUDA events; host launch work included); graph ms: one call of a CUDA "
+            f"graph of {GRAPH_CALLS} (kernels alone), whose time gives GB/s and % of copy"
+        )
+        print_rows(bench(ref, mx_ref, args.repeats))
         print("target: >= 85% of copy for the one-pass cases (tensorwise current scaling reads x twice by contract)")
         if mx_not_checked:
             print(mx_not_checked)
+    if args.sweep:
+        print("\nTriton work per program (one setting at a time, the others at their defaults; 8192 x 8192 bfloat16):")
+        print_rows(sweep(args.repeats))
 
     for function, cases in sorted(REFERENCE_NOTES.items()):
         print(
