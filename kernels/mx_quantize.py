@@ -230,6 +230,7 @@ def quantize(
     if transpose:
         data_t = torch.empty(data_t_shape, dtype=dtype, device=device)
         scale_t = torch.empty(scale_t_shape, dtype=torch.float8_e8m0fnu, device=device)
+    rule = dict(RCEIL=scale_rounding == "rceil", FP8_MAX=FP8_MAX[dtype], EMAX=_EMAX[dtype])
     if x.numel() > 0 and not transpose:
         num_blocks = x.numel() // MX_BLOCK
         _launcher(_mx_flat_kernel, wrap)[(_cdiv(num_blocks, _FLAT_BLOCKS),)](
@@ -238,9 +239,7 @@ def quantize(
             scale.view(torch.uint8),
             amax,
             num_blocks,
-            RCEIL=scale_rounding == "rceil",
-            FP8_MAX=FP8_MAX[dtype],
-            EMAX=_EMAX[dtype],
+            **rule,
             BLOCKS=_FLAT_BLOCKS,
             num_warps=_FLAT_WARPS,
         )
@@ -257,9 +256,7 @@ def quantize(
             m,
             k,
             tiles_k,
-            RCEIL=scale_rounding == "rceil",
-            FP8_MAX=FP8_MAX[dtype],
-            EMAX=_EMAX[dtype],
+            **rule,
             BLOCK_M=block_m,
             BLOCK_K=block_k,
             num_warps=8 if block_m * block_k >= 8192 else 4,
