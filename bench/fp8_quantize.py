@@ -54,12 +54,10 @@ def parse_size(spec: str, world: int = 1) -> tuple[int, int]:
     return rows, cols
 
 
-# The baselines divide in float64 and round to float32: that is the correctly rounded float32 quotient (53 >= 2 * 24
-# + 2 bits, so the double rounding is harmless), which the contract asks for. A float32 division compiled by
-# inductor for a GPU is Triton's approximate one, and the compiled baseline then differs from fastmesh's bits.
-
-
 def _exact_divide(numerator, denominator):
+    """The correctly rounded float32 quotient, which the contract asks for: divided in float64, then rounded (53 >=
+    2 * 24 + 2 bits, so the double rounding is harmless). A float32 division that inductor compiles for a GPU is
+    Triton's approximate one, and the compiled baseline would then differ from fastmesh's bits."""
     return (numerator.double() / denominator.double()).float()
 
 

@@ -21,9 +21,10 @@
 #   fp8-triton   bench/gpu_check_fp8.py --impl triton --skip-bench (the Triton kernels, the same checks)
 #   all-reduce   bench/gpu_check_matmul_all_reduce.py (matmul_all_reduce and its FP8 form on CUDA tensors,
 #                2 ranks: NCCL with two GPUs, gloo on one; bit-exact against mm + all_reduce, autograd, fp8=)
-#   tests        pytest, one run per file, of the test files with CUDA cases (the block-scaled ops through torch._scaled_mm on
-#                SM90, the consumer GEMM's waits, the fused all-gather's loopback path, the MX and FP8
-#                Triton kernels compiled for the GPU, the transfers' timeouts on the GPU machine's torch)
+#   tests        pytest, one run per file, of the test files with CUDA cases (the block-scaled ops through
+#                torch._scaled_mm on SM90, the consumer GEMM's waits, the fused all-gather's loopback path,
+#                the MX and FP8 Triton kernels compiled for the GPU, the transfers' timeouts on the GPU
+#                machine's torch)
 #   -- one after another --
 #   fp8-cuda-bw, fp8-triton-bw   the same scripts' bandwidth tables (8192 x 8192, CUDA events around eager calls
 #                and CUDA graph replays, vs a copy); the Triton one also sweeps the kernels' work per program
@@ -65,6 +66,17 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit, log, record th
   return $status
 }
 
+run_test_files() {  # one pytest per file: a crash in one file does not hide the others' results
+  local status=0
+  for file in "$@"; do
+    echo "== $file"
+    timeout -k 5 150 "$PY" -m pytest -q -rfEs -p no:cacheprovider "$file" || status=1
+  done
+  return $status
+}
+export -f run_test_files
+export PY
+
 if [ "${FASTMESH_GPU_CHECK_SKIP_BUILD:-0}" != "1" ]; then
   step build 300 env FASTMESH_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -e . \
     || { echo "build failed" >&2; exit 1; }
@@ -78,18 +90,9 @@ step fp8-triton $((CHECK_SECONDS + 120)) "$PY" bench/gpu_check_fp8.py --impl tri
   --check-seconds "$CHECK_SECONDS" & pids+=($!)
 step all-reduce 180 "$PY" bench/gpu_check_matmul_all_reduce.py $QUICK_FLAG --json "$OUT_DIR/matmul_all_reduce.json" \
   & pids+=($!)
-run_test_files() {  # one pytest per file: a crash in one file does not hide the others' results
-  local status=0
-  for file in "$@"; do
-    echo "== $file"
-    timeout -k 5 150 "$PY" -m pytest -q -rfEs -p no:cacheprovider "$file" || status=1
-  done
-  return $status
-}
-export -f run_test_files
-export PY
-step tests 300 bash -c 'run_test_files "$@"' run_test_files tests/test_chunked_matmul.py tests/test_chunked_gather.py tests/test_fp8_triton.py \
-  tests/test_mx.py tests/test_mx_triton.py tests/test_matmul_all_reduce.py tests/test_matmul_all_gather.py \
+step tests 300 bash -c 'run_test_files "$@"' run_test_files tests/test_chunked_matmul.py tests/test_chunked_gather.py \
+  tests/test_fp8_triton.py tests/test_mx.py tests/test_mx_triton.py tests/test_matmul_all_reduce.py \
+  tests/test_matmul_all_gather.py \
   tests/test_fused_collectives_fp8.py tests/test_fused_block_scaled.py tests/test_faults.py & pids+=($!)
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=1; done

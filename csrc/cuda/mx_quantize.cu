@@ -5,8 +5,8 @@
 // One block of 32 x 32 threads per 32 x 32 tile of x (as row-major [M, K]; 32 divides K): thread (tx, ty) holds
 // element (row0 + ty, col0 + tx), so warp ty holds one MX block of row ty, reduced with one warp max of the
 // magnitude bits. With transpose the tile goes through shared memory, and warp ty takes column ty: its max, its
-// scale and its 32 casts, written along data_t's row (coalesced). One element a thread: on an H200 it moved about
-// 16% of copy bandwidth (bench/gpu_check_fp8.py, 2026-12-04); the Triton kernel is the default on CUDA.
+// scale and its 32 casts, written along data_t's row (coalesced). One element a thread: on an H200 it moved 12-16%
+// of copy bandwidth (bench/gpu_check_fp8.py, 2026-12-04); the Triton kernel is the default on CUDA.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
