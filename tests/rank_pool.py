@@ -425,9 +425,22 @@ def _run_task(module: str, path: str | None, rewrite: bool, qualname: str, kwarg
         for attr in qualname.split("."):
             fn = getattr(fn, attr)
         fn = getattr(fn, "_rank_fn", fn)
+        _forget_dtensor_sharding_cache()
         return True, pickle.dumps(fn(**pickle.loads(kwargs_bytes)))
     except BaseException:
         return False, traceback.format_exc()
+
+
+def _forget_dtensor_sharding_cache() -> None:
+    """Give each test a DTensor sharding cache of its own, as a fresh process would have.
+
+    Tests build their own meshes, and the sharding cache matches meshes by value, so a test can be handed output
+    specs that hold an earlier test's (equal) mesh. torch.compile (torch 2.14) tracks meshes as graph inputs by
+    identity; after test_parallel.py's bf16 tests, such a spec made inductor's partitioner fail in
+    test_compile_fusion.py ("Node tangents_2 was invalid, but is output"). The cache is C++ from torch 2.13."""
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
 
 
 def _import(module: str, path: str | None, rewrite: bool):
