@@ -247,7 +247,9 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
             value_shape += [groups, block]
             scale_shape += [groups, 1]
         else:
-            s = s.repeat_interleave(block, d).narrow(d, 0, n)
+            # An index per element, not repeat_interleave(block).narrow(n): inductor (torch 2.14, CPU) compiles
+            # that expand-flatten-slice to a loop over the first block only and leaves the rest unwritten.
+            s = s.index_select(d, torch.arange(n, device=s.device) // block)
             value_shape.append(n)
             scale_shape.append(n)
     values.view(value_shape).mul_(s.reshape(scale_shape))
