@@ -264,6 +264,31 @@ def test_fp8_scatter_front_matches_quantize_gather_dequantize_reference(world_si
         close(w.grad, a.detach().flatten(0, 1).t() @ g_full.flatten(0, 1), f"{what}: grad w")
 
 
+@on_ranks(3)
+def test_mx_fronts_take_any_columns_without_an_fp8_dgrad():
+    """N that MX blocks do not divide only stops an FP8 dgrad: no_grad calls, frozen activations and
+    backward_in_fp8=False run, and equal the reference."""
+    rank, name = dist.get_rank(), _world_name()
+    n = 40  # a product's columns: neither 32 nor the 3 ranks' share of a block divide it
+    config = Float8Config(granularity="mx")
+    x, w = randn((5, K), seed=rank), randn((K, n), seed=1)
+    want = ref.all_gather(q_deq(x, config.dtype, "mx"), 0, name) @ weight_deq(w, config.dtype, config)
+    with torch.no_grad():
+        _, (y,) = fastmesh.all_gather_matmul(x.requires_grad_(), [w], 0, fp8=config)
+    close(y, want, "no_grad gather")
+    _, (y,) = fastmesh.all_gather_matmul(x.detach(), [w.requires_grad_()], 0, fp8=config)
+    close(y, want, "gather of a frozen activation")
+    y.sum().backward()  # the weight's gradient needs no FP8 dgrad
+    assert w.grad is not None
+
+    a, w3 = randn((6, K), seed=rank), randn((K, 3 * n), seed=2)
+    want = ref.reduce_scatter(q_deq(a, config.dtype, "mx") @ weight_deq(w3, config.dtype, config), 0, name, "sum")
+    with torch.no_grad():
+        close(fastmesh.matmul_reduce_scatter(a, w3, 0, fp8=config), want, "no_grad reduce-scatter")
+    high_precision_dgrad = Float8Config(granularity="mx", backward_in_fp8=False)
+    close(fastmesh.matmul_reduce_scatter(a.requires_grad_(), w3, 0, fp8=high_precision_dgrad), want, "bf16 dgrad")
+
+
 @on_ranks(2)
 def test_fp8_block_forms_opcheck_and_compile():
     from test_fused_collectives_fp8 import _opcheck_fp8, assert_compiled_fp8_block_matches_eager
@@ -331,7 +356,14 @@ def test_fp8_block_forms_bad_inputs():
         ),
         (
             lambda: fastmesh.matmul_reduce_scatter(
-                torch.randn(4, 64), torch.randn(64, 40), 0, fp8=Float8Config(granularity="mx")
+                torch.randn(4, 64, requires_grad=True), torch.randn(64, 40), 0, fp8=Float8Config(granularity="mx")
+            ),
+            ValueError,
+            r"fp8 granularity 'mx' with backward_in_fp8 needs the product's columns \(N = 40",
+        ),
+        (
+            lambda: fastmesh.all_gather_matmul(
+                torch.randn(4, 64, requires_grad=True), [torch.randn(64, 40)], 0, fp8=Float8Config(granularity="mx")
             ),
             ValueError,
             r"fp8 granularity 'mx' with backward_in_fp8 needs the product's columns \(N = 40",

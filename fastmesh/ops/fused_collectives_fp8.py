@@ -241,8 +241,6 @@ for _device in ("CPU", "CUDA"):
 class _Float8AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, group_name, gather_dim, pieces, return_a, a_shard, *bs):
-        for b in bs:
-            check_fp8_contraction(config, b.shape[0], b.shape[1], config.backward_in_fp8, "fastmesh.all_gather_matmul")
         a_data, a_scale = quantize_rows(a_shard, config.dtype, config)
         b_ops = [quantize_columns(b, config.dtype, config) for b in bs]
         a_full, a_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
@@ -295,12 +293,7 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
 
 class _Float8MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, config, group_name, scatter_dim, reduce_op, pieces, a, b):
-        # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which
-        # the FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype. So
-        # does one with no columns (b [K, 0]): the FP8 gather takes no empty last dim, and there is nothing to shrink.
-        dgrad_in_fp8 = config.backward_in_fp8 and scatter_dim % a.dim() != a.dim() - 1 and b.shape[1] > 0
-        check_fp8_contraction(config, b.shape[0], b.shape[1], dgrad_in_fp8, "fastmesh.matmul_reduce_scatter")
+    def forward(ctx, config, group_name, scatter_dim, reduce_op, pieces, dgrad_in_fp8, a, b):
         a_data, a_scale = quantize_rows(a, config.dtype, config)
         b_data, b_scale = quantize_columns(b, config.dtype, config)
         out = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
@@ -321,7 +314,7 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         a, b = ctx.saved_tensors
-        need_a, need_b = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
+        need_a, need_b = ctx.needs_input_grad[6], ctx.needs_input_grad[7]
         if ctx.reduce_op == "avg":
             grad_out = grad_out / group_size(ctx.group_name, _RS)
         grad_a = grad_b = grad_c = None
@@ -340,7 +333,13 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
             )
         if need_b:
             grad_b = as_matrix(a).t() @ as_matrix(grad_c)
-        return None, None, None, None, None, (grad_a if need_a else None), grad_b
+        return None, None, None, None, None, None, (grad_a if need_a else None), grad_b
+
+
+def _fp8_dgrad_possible(config: Float8Config, a: torch.Tensor) -> bool:
+    """Whether a backward may take a's gradient in FP8. Without a gradient to take (no_grad, inference, a frozen
+    activation), the dgrad's MX constraint on N does not apply."""
+    return config.backward_in_fp8 and torch.is_grad_enabled() and a.requires_grad
 
 
 def all_gather_matmul_fp8(
@@ -353,6 +352,10 @@ def all_gather_matmul_fp8(
     config: Float8Config,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The fronts' ``fp8=`` path of all_gather_matmul (module docstring)."""
+    for b in bs:
+        check_fp8_contraction(
+            config, b.shape[0], b.shape[1], _fp8_dgrad_possible(config, a_shard), "fastmesh.all_gather_matmul"
+        )
     gathered, *outs = _Float8AllGatherMatmul.apply(config, group_name, gather_dim, pieces, return_a, a_shard, *bs)
     return gathered, list(outs)
 
@@ -361,4 +364,9 @@ def matmul_reduce_scatter_fp8(
     a, b, scatter_dim: int, group_name: str, reduce_op: str, pieces: int, config: Float8Config
 ) -> torch.Tensor:
     """The fronts' ``fp8=`` path of matmul_reduce_scatter (module docstring)."""
-    return _Float8MatmulReduceScatter.apply(config, group_name, scatter_dim, reduce_op, pieces, a, b)
+    # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which the
+    # FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype. So does one
+    # with no columns (b [K, 0]): the FP8 gather takes no empty last dim, and there is nothing to shrink.
+    dgrad_in_fp8 = _fp8_dgrad_possible(config, a) and scatter_dim % a.dim() != a.dim() - 1 and b.shape[1] > 0
+    check_fp8_contraction(config, b.shape[0], b.shape[1], dgrad_in_fp8, "fastmesh.matmul_reduce_scatter")
+    return _Float8MatmulReduceScatter.apply(config, group_name, scatter_dim, reduce_op, pieces, dgrad_in_fp8, a, b)
