@@ -86,7 +86,8 @@ def scaled_values(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype, round
 
 def quantize_mx(x: torch.Tensor, dtype: torch.dtype, rounding: str = "floor", transpose: bool = False) -> Quantized:
     """The MX cast of ``x`` (``[..., K]``, 32 dividing K): data (x's shape), scale (E8M0, ``[..., K/32]``),
-    amax (fp32, per block), and with ``transpose`` the cast of the 2-D x's columns (``[K, M]``, ``[K, M/32]``)."""
+    amax (fp32, per block), and with ``transpose`` the cast of the columns of x as ``[M, K]`` (leading dims
+    flattened): ``[K, M]``, ``[K, M/32]``."""
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"the last dim must be a multiple of {MX_BLOCK}, got shape {list(x.shape)}")
     amax = block_amax(x)
@@ -94,7 +95,7 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, rounding: str = "floor", tr
     data = saturating_cast(scaled_values(x, bits, dtype, rounding), dtype)
     data_t = scale_t = None
     if transpose:
-        transposed = quantize_mx(x.t().contiguous(), dtype, rounding)
+        transposed = quantize_mx(x.reshape(-1, x.shape[-1]).t().contiguous(), dtype, rounding)
         data_t, scale_t = transposed.data, transposed.scale
     return Quantized(data, bits.to(torch.uint8).view(torch.float8_e8m0fnu), amax, data_t, scale_t)
 
