@@ -8,8 +8,8 @@ TP plan and/or fastmesh's fused one, and report the loss, the throughput and the
 
 Options: ``--tp N`` (default 2; the rest of the world is the dp axis), ``--plan native|fastmesh|both`` (default
 both: one after the other in the same processes, from the same initial weights on the same batches, then a
-comparison table), ``--steps N`` (default 200), ``--fp8 rowwise|tensorwise`` (fastmesh's plan in FP8),
-``--compile`` (both plans under ``torch.compile``; TP-only meshes) with ``--fusion-pass`` (the native plan
+comparison table), ``--steps N`` (default 200), ``--fp8 tensorwise|rowwise|mx|block1x128`` (fastmesh's plan in
+FP8), ``--compile`` (both plans under ``torch.compile``; TP-only meshes) with ``--fusion-pass`` (the native plan
 compiled with fastmesh's fusion pass, ``fastmesh.compile``), model and batch sizes (``--help``; ``--batch`` is a
 whole step's). One intra-op thread per rank (``--threads``), gloo; ``--plan both`` with the defaults on two ranks
 took 100 s on the 2-core dev machine, shared with other work (``time torchrun`` of the first command).
@@ -258,7 +258,7 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument(
         "--fp8",
-        choices=("rowwise", "tensorwise"),
+        choices=("tensorwise", "rowwise", "mx", "block1x128"),
         default=None,
         help="run fastmesh's plan in FP8 with this scaling granularity",
     )
