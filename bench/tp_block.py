@@ -21,10 +21,10 @@ slowest rank):
   collective of the native graphs, 4 + 4 sequence-parallel and 2 + 5 plain, or leave them as not profitable:
   checked) and ``fastmesh_c``; ratios ``pass_speedup = native_c / native_c+pass`` and
   ``compiled_speedup = native_c / fastmesh_c``;
-* float8 (sequence-parallel only: the plain plan has no FP8 form): fastmesh's plan with
-  ``Float8Config(granularity="rowwise")`` (tensor-wise on CPU before torch 2.13) on bf16 weights against the bf16
-  native plan, and torchao's float8 plan (``Float8ColwiseParallel`` / ``Float8RowwiseParallel``, tensor-wise)
-  when torchao is installed and the backend carries float8 tensors (NCCL; gloo does not);
+* float8: fastmesh's plan with ``Float8Config(granularity="rowwise")`` (tensor-wise on CPU before torch 2.13) on
+  bf16 weights against the bf16 native plan, and, sequence-parallel, torchao's float8 plan
+  (``Float8ColwiseParallel`` / ``Float8RowwiseParallel``, tensor-wise) when torchao is installed and the backend
+  carries float8 tensors (NCCL; gloo does not);
 * ``comm`` (part): fastmesh's plan's collectives alone as c10d collectives of the same sizes: 4 all-gathers and 4
   reduce-scatters; plain, 4 all-reduces of ``[B, S, D]`` (the native plain plan runs 7);
 * ``bound``: ``max(comm, compute)`` per round, where ``compute`` is the native step without its communication:
@@ -189,10 +189,10 @@ def _fp8_config(device_type, note):
     return FP8_ROWWISE
 
 
-def _variants(dtype_name, mesh, note):
+def _variants(dtype_name, form, mesh, note):
     """{contender: (plan, fusion)} for one dtype; plan "native" / "fastmesh" (the form names the block plan)."""
     variants = {"native": ("native", None), "fastmesh": ("fastmesh", None)}
-    if dtype_name == "float8":
+    if dtype_name == "float8" and form.sequence_parallel:
         ok, why = torchao_baselines.status()
         try:
             if not ok:
@@ -201,7 +201,7 @@ def _variants(dtype_name, mesh, note):
             variants["torchao"] = ("torchao", None)
         except RuntimeError as error:
             note(f"torchao float8 plan not run: {error}")
-    else:
+    elif dtype_name != "float8":
         variants.update(COMPILED)
     return variants
 
@@ -220,7 +220,7 @@ def block_steps(shape, form, dtype_name, mesh, note):
     else:  # replicated: the same on every rank
         x = torch.randn(batch, seq_len, dim, generator=torch.Generator().manual_seed(1000))
     x = x.to(device=mesh.device_type, dtype=dtype).requires_grad_()
-    variants = _variants(dtype_name, mesh, note)
+    variants = _variants(dtype_name, form, mesh, note)
     fp8_config = _fp8_config(mesh.device_type, note)
     # The compiled contenders share one code object (the lambda in _step): forget earlier cases' graphs so that
     # this case's three stay under dynamo's recompile limit (hitting it fails, see run()).
@@ -319,9 +319,6 @@ def run(ctx: Context) -> None:
     for dtype_name in (d for d in ctx.dtypes if d in TORCH_DTYPES):
         for spec in ctx.cases or (QUICK_SHAPES if ctx.quick else FULL_SHAPES):
             shape, form = parse_case(spec, world)
-            if dtype_name == "float8" and not form.sequence_parallel:
-                ctx.note(f"{spec} float8 skipped: the plain TP plan has no FP8 form (fp8 needs sequence parallelism)")
-                continue
             cases.append((shape, form, spec, dtype_name))
     ctx.expect(len(cases))
     for shape, form, spec, dtype_name in cases:

@@ -149,6 +149,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       arg("a_scale"), arg("b"), arg("b_scale"), arg("reduce_op"), arg("group_name"), arg("out_dtype"), arg("pieces"),
       arg("split"), gil);
   m.def(
+      "scaled_matmul",
+      [](const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
+         at::ScalarType out_dtype) { return fastmesh::fused::scaled_matmul(a, a_scale, b, b_scale, out_dtype); },
+      "fastmesh::scaled_matmul: the fused FP8 ops' scaled multiply alone, local.", arg("a"), arg("a_scale"), arg("b"),
+      arg("b_scale"), arg("out_dtype"), gil);
+  m.def(
       "block_scaled_mm_runs",
       [](at::ScalarType a_dtype, const at::Tensor& b, at::ScalarType out_dtype, int64_t column_part) {
         using fastmesh::fused::Scaling;

@@ -144,6 +144,32 @@ def test_scaled_matmul_all_reduce_block_scales_exact():
         assert torch.equal(got, want), f"{a_layout} a, {b_layout} b, pieces {pieces}"
 
 
+def test_scaled_matmul_is_the_local_scaled_multiply():
+    """fastmesh::scaled_matmul (a plain-TP column-parallel linear's FP8 product) in every layout pair, exact as the
+    fused forms; opcheck (eager, fake, compile); bad operands named."""
+    from test_fused_collectives_fp8 import _opcheck_fp8
+
+    op = torch.ops.fastmesh.scaled_matmul
+    for (a_layout, b_layout), out_dtype, shape in itertools.product(
+        LAYOUTS + (("tensorwise", "rowwise"),), (torch.bfloat16, torch.float32), ([5, K], [2, 3, K], [0, K])
+    ):
+        a = fp8_ints(shape, seed=0)
+        a_scale = scale_of(a_layout, a_scale_shape(a_layout, shape), seed=1)
+        b = fp8_ints((N, K), seed=2).t()
+        b_scale = scale_of(b_layout, b_scale_shape(b_layout, K, N), seed=3)
+        got = op(a, a_scale, b, b_scale, out_dtype)
+        want = (deq(a, a_scale, a_blocks(a_layout, len(shape))) @ deq(b, b_scale, b_blocks(b_layout))).to(out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, want), f"{a_layout} a, {b_layout} b, {out_dtype}, {shape}"
+    a, b = fp8_ints([4, K], seed=0), fp8_ints((N, K), seed=1).t()
+    mx_a, mx_b = scale_of("mx", [4, K // 32], 2), scale_of("mx", [K // 32, N], 3)
+    _opcheck_fp8(op, (a, mx_a, b, mx_b, torch.bfloat16))
+    _opcheck_fp8(op, (a, scale_of("block", [4, 2], 4), b, scale_of("block", [2, 2], 5), torch.float32))
+    with pytest.raises(ValueError, match=r"fastmesh::scaled_matmul: b must have 160 rows \(a's last dim\), got shape"):
+        op(a, mx_a, b[:32], mx_b, torch.float32)
+    with pytest.raises(TypeError, match=r"fastmesh::scaled_matmul: out_dtype must be torch.float32, torch.bfloat16"):
+        op(a, mx_a, b, mx_b, torch.int32)
+
+
 @on_ranks(2)
 def test_block_scaled_multiply_says_which_path_ran():
     name = _world_name()

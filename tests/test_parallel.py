@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 
@@ -34,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 from tp_models import LinearPair
 
+import fastmesh
 from fastmesh.fp8 import Float8Config
 from fastmesh.parallel import FusedColwiseParallel, FusedRowwiseParallel
 from fastmesh.testing.llama import Block, Llama, LlamaArgs, block_plan, parallelize_llama, rope_tables
@@ -533,6 +535,7 @@ _FUSED_AS = {
     torch.ops.fastmesh.all_gather_matmul: "all_gather_into_tensor",
     torch.ops.fastmesh.matmul_reduce_scatter: "reduce_scatter_tensor",
     torch.ops.fastmesh.matmul_all_reduce: "all_reduce",
+    torch.ops.fastmesh.scaled_matmul_all_reduce: "all_reduce",
 }
 
 
@@ -646,6 +649,121 @@ def test_mx_and_block_fp8_plans_train_like_the_high_precision_plan(config, bound
     _assert_fp8_loss_tracks(MX_BLOCK_ARGS, bound, **config)
 
 
+# ---- plain TP in FP8 ----
+
+# A granularity's scale blocks along an activation's rows (0: the whole row), and the weights' granularity.
+_ROW_BLOCK = {"tensorwise": 0, "rowwise": 0, "mx": 32, "block1x128": 128}
+_WEIGHT_GRANULARITY = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mx": "mx", "block1x128": "block128x128"}
+PLAIN_FP8_GRANULARITIES = (
+    ("tensorwise", FP8_GRANULARITY, "mx", "block1x128")
+    if FP8_GRANULARITY == "rowwise"
+    else (
+        "tensorwise",
+        "mx",
+        "block1x128",
+    )
+)
+
+
+def _round_trip(x: torch.Tensor, dtype: torch.dtype, granularity: str) -> torch.Tensor:
+    """x quantized along its rows by fastmesh.fp8.quantize and dequantized by the test's own rule (each scale
+    element expanded over its block by index), in float64."""
+    from test_fused_block_scaled import deq
+
+    q = fastmesh.fp8.quantize(x.detach(), dtype=dtype, granularity=granularity)
+    if granularity == "block128x128":
+        return deq(q.data, q.scale, (128, 128))
+    return deq(q.data, q.scale, (1,) * (x.dim() - 1) + (_ROW_BLOCK[granularity],))
+
+
+def _weight_round_trip(w: torch.Tensor, config: Float8Config) -> torch.Tensor:
+    """A linear's weight rows [N, K] as the FP8 matmuls take them: quantized per output column of w.T."""
+    return _round_trip(w, config.dtype, _WEIGHT_GRANULARITY[config.granularity])
+
+
+def _all_reduced(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+class _W1W3(nn.Module):
+    """Two linears reading one input, as a SwiGLU's w1 and w3 (K = 160: five MX blocks; two 1x128 blocks, one
+    partial). Local widths 48 and 16 per rank: their sum, the FP8 dgrad's contraction, holds whole MX blocks."""
+
+    def __init__(self, world: int):
+        super().__init__()
+        self.w1 = nn.Linear(160, 48 * world, bias=False)
+        self.w3 = nn.Linear(160, 16 * world, bias=False)
+
+    def forward(self, x):
+        return self.w1(x), self.w3(x)
+
+
+@on_ranks(2, 4)
+def test_plain_tp_fp8_styles_match_the_quantized_reference(world_size):
+    """Plain TP in FP8, every granularity, both backwards: ``FusedColwiseParallel(linears=..., input_layouts=
+    Replicate(), fp8=)`` multiplies the replicated input locally and all-reduces its gradient inside one scaled
+    (or, without backward_in_fp8, high-precision) matmul; ``FusedRowwiseParallel(output_layouts=Replicate(), fp8=)``
+    all-reduces its FP8 product. Outputs and gradients equal a reference built from fastmesh.fp8.quantize, the
+    test's own dequantization and dist.all_reduce (the same FP8 operands; float32 sums in another order)."""
+    mesh, rank = _tp_mesh(), dist.get_rank()
+    x = _randn((2, 6, 160), seed=1)
+    for granularity, backward_in_fp8 in itertools.product(PLAIN_FP8_GRANULARITIES, (True, False)):
+        config = Float8Config(granularity=granularity, backward_in_fp8=backward_in_fp8)
+        case = f"{granularity}, backward_in_fp8={backward_in_fp8}"
+        close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
+
+        # Colwise: the outputs, and the input's gradient all-reduced in one fused call.
+        torch.manual_seed(0)
+        unsharded = _W1W3(world_size)
+        pair = parallelize_module(
+            copy.deepcopy(unsharded),
+            mesh,
+            FusedColwiseParallel(linears=("w1", "w3"), input_layouts=Replicate(), fp8=config),
+        )
+        xs = x.clone().requires_grad_()
+        g1, g3 = _randn((2, 6, 48), seed=2), _randn((2, 6, 16), seed=3)  # the same on every rank
+        out = {}
+
+        def colwise_step():
+            out["y"] = pair(xs)
+            ((out["y"][0] * g1).sum() + (out["y"][1] * g3).sum()).backward()
+
+        named, issued = _count_phases(colwise_step)
+        x_q = _round_trip(x, config.dtype, config.granularity)
+        w1, w3 = _shard(unsharded.w1.weight.detach(), 0), _shard(unsharded.w3.weight.detach(), 0)
+        for got, w in zip(out["y"], (w1, w3)):
+            close(got, (x_q @ _weight_round_trip(w, config).t()).float(), msg=lambda m: f"{case}: colwise out: {m}")
+        g, w = torch.cat((g1, g3), -1), torch.cat((w1, w3))
+        if backward_in_fp8:  # the gradient per its rows (blocks along N); w [N, K] per its columns (along N)
+            local = _round_trip(g, config.grad_dtype, config.granularity) @ _weight_round_trip(w.t(), config).t()
+        else:
+            local = g.double() @ w.double()
+        close(xs.grad, _all_reduced(local.float()), msg=lambda m: f"{case}: colwise grad x: {m}")
+        for name, grad in (("w1", g1), ("w3", g3)):
+            want = (grad.flatten(0, 1).double().t() @ x_q.flatten(0, 1)).float()
+            close(getattr(pair, name).weight.grad.to_local(), want, msg=lambda m: f"{case}: grad {name}: {m}")
+        fused = torch.ops.fastmesh.scaled_matmul_all_reduce if backward_in_fp8 else torch.ops.fastmesh.matmul_all_reduce
+        assert issued == {"forward": {}, "backward": {fused: 1}}, (case, issued)
+
+        # Rowwise: the FP8 product all-reduced in one fused call, the bias added after.
+        torch.manual_seed(0)
+        unsharded = nn.Linear(96 * world_size, 40)
+        down = parallelize_module(
+            copy.deepcopy(unsharded), mesh, FusedRowwiseParallel(output_layouts=Replicate(), fp8=config)
+        )
+        h = _randn((2, 6, 96), seed=4 + rank).requires_grad_()  # this rank's features
+        gy = _randn((2, 6, 40), seed=5)
+        named, issued = _count_phases(lambda: out.update(y=down(h)) or (out["y"] * gy).sum().backward())
+        w = _shard(unsharded.weight.detach(), 1)
+        product = _round_trip(h, config.dtype, config.granularity) @ _weight_round_trip(w, config).t()
+        close(out["y"], _all_reduced(product.float()) + unsharded.bias.detach(), msg=lambda m: f"{case}: rowwise: {m}")
+        close(h.grad, gy @ w, msg=lambda m: f"{case}: rowwise grad h: {m}")  # local, in h's dtype
+        assert issued == {"forward": {torch.ops.fastmesh.scaled_matmul_all_reduce: 1}, "backward": {}}, (case, issued)
+        assert named["forward"] == {"all_reduce": 1}, (case, named)
+
+
 # ---- compile ----
 
 
@@ -717,19 +835,20 @@ class _PlainHead(nn.Module):
 
 @on_ranks(2, timeout=300)
 def test_compiled_replicated_layouts_match_eager():
-    """fullgraph compile (aot_eager and inductor) of the plain TP forms and the LM head, both plans: one graph
-    with no break, the outputs and gradients of eager."""
+    """fullgraph compile (aot_eager and inductor) of the plain TP forms and the LM head, both plans, and plain TP in
+    FP8: one graph with no break, the outputs and gradients of eager."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     mesh = _tp_mesh()
     torch.manual_seed(0)
     unsharded = _PlainHead()
-    for sequence_parallel in (False, True):
+    fp8 = Float8Config(granularity="block1x128")
+    for sequence_parallel, config in ((False, None), (True, None), (False, fp8)):
         layout = Shard(1) if sequence_parallel else Replicate()
         styles = {
-            "up": FusedColwiseParallel(input_layouts=layout),
-            "down": FusedRowwiseParallel(output_layouts=layout),
-            "head": FusedColwiseParallel(input_layouts=layout, output_layouts=Replicate()),
+            "up": FusedColwiseParallel(input_layouts=layout, fp8=config),
+            "down": FusedRowwiseParallel(output_layouts=layout, fp8=config),
+            "head": FusedColwiseParallel(input_layouts=layout, output_layouts=Replicate(), fp8=config),
         }
         model = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
         x = _randn((2, 8, 16), seed=1)
@@ -748,7 +867,7 @@ def test_compiled_replicated_layouts_match_eager():
             torch._dynamo.utils.counters.clear()
             counter = CompileCounterWithBackend(backend)
             want, got = step(model), step(torch.compile(model, fullgraph=True, backend=counter))
-            case = f"sequence_parallel={sequence_parallel}, {backend}"
+            case = f"sequence_parallel={sequence_parallel}, fp8={config}, {backend}"
             tolerance = dict(rtol=0, atol=0) if backend == "aot_eager" else TOLERANCE
             for name in want:
                 torch.testing.assert_close(got[name], want[name], **tolerance, msg=lambda m: f"{case}: {name}: {m}")
@@ -853,18 +972,21 @@ def test_bad_plans_raise_clear_errors():
     )
     _raises(
         ValueError,
-        "FusedRowwiseParallel: fp8 needs output_layouts=Shard\\(sequence_dim\\)",
-        lambda: FusedRowwiseParallel(output_layouts=Replicate(), fp8=Float8Config()),
-    )
-    _raises(
-        ValueError,
         "fp8 granularity must be one of 'tensorwise', 'rowwise', 'mx', 'block1x128'",
         lambda: FusedColwiseParallel(fp8=Float8Config(granularity="block128x128")),
     )
+    replicated = DTensor.from_local(torch.randn(2, 4, 8), mesh, [Replicate()], run_check=False)
     _raises(
         ValueError,
-        "fp8 needs a sequence-sharded input",
-        lambda: FusedColwiseParallel(input_layouts=Replicate(), fp8=Float8Config()),
+        "FusedColwiseParallel: fp8 takes a sequence-sharded input or a replicated plain tensor "
+        "\\(input_layouts=Replicate\\(\\)\\), got a Replicate\\(\\) DTensor",
+        lambda: apply(nn.Linear(8, 8), FusedColwiseParallel(fp8=Float8Config()))(replicated),
+    )
+    mx_plain = FusedColwiseParallel(input_layouts=Replicate(), fp8=Float8Config(granularity="mx"))
+    _raises(
+        ValueError,
+        "FusedColwiseParallel: fp8 granularity 'mx' with backward_in_fp8 needs the product's columns \\(N = 40",
+        lambda: apply(nn.Linear(64, 40 * world), mx_plain)(torch.randn(2, 4, 64, requires_grad=True)),
     )
     _raises(
         TypeError,

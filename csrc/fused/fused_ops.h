@@ -1,4 +1,5 @@
-// The fused collectives' C++ implementations. They are not registered with the dispatcher themselves:
+// The fused collectives' C++ implementations (and their local scaled multiply). They are not registered with the
+// dispatcher themselves:
 // the ops' kernels (fastmesh/ops/fused_collectives*.py) pick a plan per call (fastmesh/ops/plans.py) and
 // call these through fastmesh._C (csrc/module.cpp), or, on CUDA, the Triton consumer GEMM.
 //
@@ -49,6 +50,10 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
 at::Tensor scaled_matmul_all_reduce(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                                     const at::Tensor& b_scale, c10::string_view reduce_op, c10::string_view group_name,
                                     at::ScalarType out_dtype, int64_t pieces, c10::string_view split);
+
+// The scaled multiply alone, local: (deq(a) @ deq(b)).to(out_dtype).
+at::Tensor scaled_matmul(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
+                         at::ScalarType out_dtype);
 
 }  // namespace fused
 }  // namespace fastmesh

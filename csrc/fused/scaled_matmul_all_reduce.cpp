@@ -1,8 +1,6 @@
 // fastmesh::scaled_matmul_all_reduce: the FP8 form of matmul_all_reduce. The multiplies are scaled matmuls of
 // FP8 operands into `out_dtype`; the product travels and is reduced in `out_dtype` (summing FP8-rounded partial
 // products would add an error per rank).
-#include <ATen/ops/zeros.h>
-
 #include <vector>
 
 #include "all_reduce_pipeline.h"
@@ -27,15 +25,12 @@ at::Tensor scaled_matmul_all_reduce(const at::Tensor& a, const at::Tensor& a_sca
   const pipeline::Split schedule = check_all_reduce_split(split, kOp);
   const Group group = resolve_group(group_name, kOp);
 
+  if (group->getSize() == 1) return scaled_matmul(a, a_scale, b, b_scale, out_dtype);
   std::vector<int64_t> out_sizes(a.sizes().begin(), a.sizes().end());
   out_sizes.back() = b.size(1);
   const at::Tensor a_rows = rows_view(a.contiguous());
   const at::Tensor a_scale_rows = scale_rows(a_scale);
   const ScaledB b_operand = prepare_b(b, b_scale, scalings, a.scalar_type(), out_dtype, b.size(1));
-  if (group->getSize() == 1) {
-    if (a_rows.numel() == 0 || b.numel() == 0) return at::zeros(out_sizes, a.options().dtype(out_dtype));
-    return scaled_mm(a_rows, a_scale_rows, b_operand, out_dtype).view(out_sizes);
-  }
   return all_reduce_product(
       group, out_sizes, a.options().dtype(out_dtype), a.size(-1), reduce_op, scaled_pieces(pieces, a.device()),
       schedule, kOp, [&](at::Tensor slice, int64_t first_row, int64_t rows) {

@@ -1,6 +1,9 @@
 """fastmesh's custom ops: schemas (``_library``), fake impls, autograd and Python fronts."""
 
-from fastmesh.ops import _library  # noqa: F401  (defines the schemas on import)
+from fastmesh.ops import (
+    _library,  # noqa: F401  (defines the schemas on import)
+    scaled_matmul,  # noqa: F401  (registers fastmesh::scaled_matmul's kernels)
+)
 from fastmesh.ops.amax import amax
 from fastmesh.ops.fp8_quantize import Float8Quantized, quantize
 from fastmesh.ops.fused_collectives import all_gather_matmul, matmul_reduce_scatter

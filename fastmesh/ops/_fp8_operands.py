@@ -207,6 +207,13 @@ def check_fp8_contraction(config: Float8Config, k: int, n: int, backward_in_fp8:
         )
 
 
+def fp8_dgrad_possible(config: Float8Config, a: torch.Tensor) -> bool:
+    """Whether a backward may take a's gradient in FP8 (called in a front, outside the autograd Function, whose
+    forward runs with grad mode off). Without a gradient to take (no_grad, inference, a frozen activation), the
+    dgrad's MX constraint on N does not apply."""
+    return config.backward_in_fp8 and torch.is_grad_enabled() and a.requires_grad
+
+
 def _quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, config: Float8Config):
     if granularity == MX:
         q = quantize(x.detach(), dtype=dtype, granularity=MX, scale_rounding=config.scale_rounding)

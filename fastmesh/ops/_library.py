@@ -54,6 +54,8 @@ _SIGNATURES = {
     "str group_name, ScalarType out_dtype, bool return_a=False, int pieces=0) -> (Tensor?, Tensor?, Tensor[])",
     "scaled_matmul_reduce_scatter": "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, int scatter_dim, "
     "str reduce_op, str group_name, ScalarType out_dtype, int pieces=0) -> Tensor",
+    # Their local multiply alone (fastmesh/ops/scaled_matmul.py): a plain-TP column-parallel linear in FP8.
+    "scaled_matmul": "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype) -> Tensor",
 }
 
 # Created by torch.library.triton_op in their op module, with the signature above.

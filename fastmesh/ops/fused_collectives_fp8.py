@@ -49,6 +49,7 @@ from fastmesh.ops._fp8_operands import (
     check_scaled_b,
     check_scaled_operands,
     dequantize,
+    fp8_dgrad_possible,
     log_multiply,
     quantize_columns,
     quantize_rows,
@@ -336,12 +337,6 @@ class _Float8MatmulReduceScatter(torch.autograd.Function):
         return None, None, None, None, None, None, (grad_a if need_a else None), grad_b
 
 
-def _fp8_dgrad_possible(config: Float8Config, a: torch.Tensor) -> bool:
-    """Whether a backward may take a's gradient in FP8. Without a gradient to take (no_grad, inference, a frozen
-    activation), the dgrad's MX constraint on N does not apply."""
-    return config.backward_in_fp8 and torch.is_grad_enabled() and a.requires_grad
-
-
 def all_gather_matmul_fp8(
     a_shard,
     bs: Sequence[torch.Tensor],
@@ -354,7 +349,7 @@ def all_gather_matmul_fp8(
     """The fronts' ``fp8=`` path of all_gather_matmul (module docstring)."""
     for b in bs:
         check_fp8_contraction(
-            config, b.shape[0], b.shape[1], _fp8_dgrad_possible(config, a_shard), "fastmesh.all_gather_matmul"
+            config, b.shape[0], b.shape[1], fp8_dgrad_possible(config, a_shard), "fastmesh.all_gather_matmul"
         )
     gathered, *outs = _Float8AllGatherMatmul.apply(config, group_name, gather_dim, pieces, return_a, a_shard, *bs)
     return gathered, list(outs)
@@ -367,6 +362,6 @@ def matmul_reduce_scatter_fp8(
     # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which the
     # FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype. So does one
     # with no columns (b [K, 0]): the FP8 gather takes no empty last dim, and there is nothing to shrink.
-    dgrad_in_fp8 = _fp8_dgrad_possible(config, a) and scatter_dim % a.dim() != a.dim() - 1 and b.shape[1] > 0
+    dgrad_in_fp8 = fp8_dgrad_possible(config, a) and scatter_dim % a.dim() != a.dim() - 1 and b.shape[1] > 0
     check_fp8_contraction(config, b.shape[0], b.shape[1], dgrad_in_fp8, "fastmesh.matmul_reduce_scatter")
     return _Float8MatmulReduceScatter.apply(config, group_name, scatter_dim, reduce_op, pieces, dgrad_in_fp8, a, b)

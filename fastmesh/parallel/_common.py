@@ -28,14 +28,6 @@ def check_fp8(config, style: str):
     return None if config is None else check_config(config, style)
 
 
-def check_fp8_input(fp8, placement: Placement, style: str, got: str) -> None:
-    """FP8 quantizes the shard that travels: a replicated input (``got`` says how it was given) has none."""
-    if fp8 is not None and isinstance(placement, Replicate):
-        raise ValueError(
-            f"{style}: fp8 needs a sequence-sharded input (it quantizes the shard that travels), got {got}"
-        )
-
-
 def pipeline_pieces(pieces, chunks, style: str) -> int | None:
     """The ``pieces`` keyword (``chunks`` its deprecated alias): None for the op's plan per call, else an int
     >= 0. The FutureWarning points at the code that built the style."""

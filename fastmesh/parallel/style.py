@@ -49,10 +49,10 @@ from fastmesh._log import log_once
 from fastmesh.mesh import group_name
 from fastmesh.ops import all_gather_matmul, matmul_all_gather, matmul_all_reduce, matmul_reduce_scatter
 from fastmesh.ops._collectives import all_gather
+from fastmesh.ops.replicated_input import replicated_input_matmul
 from fastmesh.parallel._common import (
     as_output,
     check_fp8,
-    check_fp8_input,
     check_linear,
     check_linear_names,
     check_mesh,
@@ -105,11 +105,11 @@ class FusedColwiseParallel(ParallelStyle):
             style is applied to a linear itself.
         fp8 (Float8Config, optional):
             Run the matmuls in FP8 (``fastmesh.fp8.Float8Config``, current scaling; tensor-wise, row-wise, MX
-            or block1x128): the input shard is quantized and travels as FP8 plus its scales, the weights are
-            quantized per output column (or tensor; MX blocks along K; 128x128 for block1x128), and the
-            backward runs in FP8 or high precision per ``backward_in_fp8``. Each rank's scales are those of
-            its own shard and travel with it, so no amax is reduced across the group. Needs a
-            sequence-sharded input.
+            or block1x128): the input shard is quantized and travels as FP8 plus its scales (a replicated
+            plain-tensor input is quantized where it is), the weights are quantized per output column (or
+            tensor; MX blocks along K; 128x128 for block1x128), and the backward runs in FP8 or high precision
+            per ``backward_in_fp8``. Each rank's scales are those of its own shard and travel with it, so no
+            amax is reduced across the group. Not with a ``Replicate()`` DTensor input.
         pieces (int, optional):
             The fused op's pipeline pieces of rows per rank (default: the op's plan per call).
         chunks (int, optional):
@@ -151,7 +151,6 @@ class FusedColwiseParallel(ParallelStyle):
         self.use_local_output = use_local_output
         self.linears = check_linear_names(linears, _COLWISE)
         self.fp8 = check_fp8(fp8, _COLWISE)
-        check_fp8_input(self.fp8, self.input_layouts[0], _COLWISE, "input_layouts=Replicate()")
         self.pieces = pipeline_pieces(pieces, chunks, _COLWISE)
 
     def _prepare_input_fn(self, x, mesh: DeviceMesh) -> tuple[torch.Tensor | DTensor, Placement]:
@@ -222,11 +221,10 @@ class FusedColwiseParallel(ParallelStyle):
         """A replicated plain-tensor input (``input_layouts=Replicate()``): nothing to gather, each rank
         multiplies its columns locally (or, with ``output_layouts=Replicate()``, gathers them as it multiplies).
         The input's gradient, summed over the ranks as torch's ColwiseParallel sums it (one all-reduce for all
-        the linears), is fused into its matmul."""
-        check_fp8_input(self.fp8, Replicate(), _COLWISE, "a replicated one")
+        the linears), is fused into its matmul. FP8: :mod:`fastmesh.ops.replicated_input`."""
         weights = [local_parameter(linear, "weight", _COLWISE, name) for name, linear in named_linears]
         gathered = self._gathers_output(named_linears, return_a=False)
-        outs = _ReplicatedInputMatmul.apply(x, group_name(mesh), self.pieces, gathered, *weights)
+        outs = replicated_input_matmul(x, weights, group_name(mesh), self.pieces, gathered, self.fp8)
         if gathered:
             return [self._gathered_output(outs[0], mesh)]
         results = []
@@ -239,7 +237,11 @@ class FusedColwiseParallel(ParallelStyle):
         """A ``Replicate()`` DTensor input: the matmul runs as torch's ColwiseParallel runs it. Its gradient stays
         a Partial DTensor, reduced where the input was made replicated (after ``PrepareModuleInput``, a
         reduce-scatter), so it is not all-reduced here."""
-        check_fp8_input(self.fp8, x.placements[0], _COLWISE, "a replicated one")
+        if self.fp8 is not None:
+            raise ValueError(
+                f"{_COLWISE}: fp8 takes a sequence-sharded input or a replicated plain tensor "
+                "(input_layouts=Replicate()), got a Replicate() DTensor; pass its local tensor"
+            )
         out = F.linear(x, linear.weight, linear.bias)
         if isinstance(self.output_layouts[0], Replicate):
             out = out.redistribute(x.device_mesh, [Replicate()])
@@ -301,8 +303,8 @@ class FusedRowwiseParallel(ParallelStyle):
         use_local_output (bool, optional):
             Whether the output is a local :class:`torch.Tensor` rather than a DTensor, default: True.
         fp8 (Float8Config, optional):
-            Run the matmul in FP8 (as for :class:`FusedColwiseParallel`); the product is reduced in the input
-            dtype. Needs a sequence-sharded output.
+            Run the matmul in FP8 (as for :class:`FusedColwiseParallel`); the product is reduce-scattered or
+            all-reduced in the input dtype.
         pieces (int, optional):
             The fused op's pipeline pieces of rows per rank (default: the op's plan per call).
         chunks (int, optional):
@@ -341,11 +343,6 @@ class FusedRowwiseParallel(ParallelStyle):
         self.output_layouts = (check_sequence_placement(output_layouts or Shard(1), _ROWWISE, "output_layouts", True),)
         self.use_local_output = use_local_output
         self.fp8 = check_fp8(fp8, _ROWWISE)
-        if self.fp8 is not None and isinstance(self.output_layouts[0], Replicate):
-            raise ValueError(
-                f"{_ROWWISE}: fp8 needs output_layouts=Shard(sequence_dim) (the fused reduce-scatter); "
-                "with output_layouts=Replicate() the matmul and all-reduce run in high precision, drop fp8"
-            )
         self.pieces = pipeline_pieces(pieces, chunks, _ROWWISE)
 
     def _prepare_input_fn(self, x, mesh: DeviceMesh) -> torch.Tensor:
@@ -378,7 +375,7 @@ class FusedRowwiseParallel(ParallelStyle):
         x = self._prepare_input_fn(x, mesh)
         weight = local_parameter(linear, "weight", _ROWWISE, "the module")
         if isinstance(self.output_layouts[0], Replicate):
-            out = matmul_all_reduce(x, weight.t(), group=group_name(mesh), pieces=self.pieces)
+            out = matmul_all_reduce(x, weight.t(), group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
             return self._prepare_output_fn(out, mesh, Replicate(), linear.bias)
         dim = sequence_dim(self.output_layouts[0], x, _ROWWISE, "output_layouts")
         tp = mesh.size()
@@ -406,35 +403,3 @@ class FusedRowwiseParallel(ParallelStyle):
             f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
             f"use_local_output={self.use_local_output}, fp8={self.fp8}, pieces={self.pieces})"
         )
-
-
-class _ReplicatedInputMatmul(torch.autograd.Function):
-    """``outs_i = x @ w_i.T`` for a replicated ``x [..., K]`` and this rank's rows ``w_i [N_i/tp, K]``: local,
-    no communication. Backward: ``grad_x = all_reduce(sum_i grad_i @ w_i)``, one ``matmul_all_reduce`` over the
-    concatenated gradients and weights, so the all-reduce overlaps its matmul; the weights' gradients are
-    local (``grad_i^T x``)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str, pieces: int | None, gathered: bool, *weights: torch.Tensor):
-        ctx.group, ctx.pieces, ctx.gathered = group, pieces, gathered
-        ctx.save_for_backward(x, *weights)
-        if gathered:  # output_layouts=Replicate(): every rank's columns, gathered while they are multiplied
-            return tuple(matmul_all_gather(x, w.t(), group=group, pieces=pieces) for w in weights)
-        return tuple(F.linear(x, w) for w in weights)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
-        if ctx.gathered:  # the replicated output's gradient: this rank's columns are its outputs'
-            grads = tuple(torch.ops.fastmesh.rank_columns(g, ctx.group) for g in grads)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad = grads[0] if len(grads) == 1 else torch.cat(grads, dim=-1)
-            weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
-            grad_x = matmul_all_reduce(grad, weight, group=ctx.group, pieces=ctx.pieces)
-        x_rows = x.reshape(-1, x.shape[-1])
-        grad_ws = [
-            g.reshape(-1, g.shape[-1]).t() @ x_rows if needed else None
-            for g, needed in zip(grads, ctx.needs_input_grad[4:])
-        ]
-        return (grad_x, None, None, None, *grad_ws)

@@ -199,21 +199,22 @@ def native_plain_block_plan() -> dict:
     }
 
 
-def fused_plain_block_plan(pieces: int | None = None) -> dict:
+def fused_plain_block_plan(fp8=None, pieces: int | None = None) -> dict:
     """fastmesh's plain TP plan: local colwise matmuls whose input gradients share one fused all-reduce per
-    parent, rowwise matmul + all-reduce."""
+    parent, rowwise matmul + all-reduce; in FP8 with ``fp8``."""
+    colwise = dict(input_layouts=Replicate(), fp8=fp8, pieces=pieces)
+    rowwise = dict(output_layouts=Replicate(), fp8=fp8, pieces=pieces)
     return {
-        "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), input_layouts=Replicate(), pieces=pieces),
-        "attention.wo": FusedRowwiseParallel(output_layouts=Replicate(), pieces=pieces),
-        "feed_forward": FusedColwiseParallel(linears=("w1", "w3"), input_layouts=Replicate(), pieces=pieces),
-        "feed_forward.w2": FusedRowwiseParallel(output_layouts=Replicate(), pieces=pieces),
+        "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), **colwise),
+        "attention.wo": FusedRowwiseParallel(**rowwise),
+        "feed_forward": FusedColwiseParallel(linears=("w1", "w3"), **colwise),
+        "feed_forward.w2": FusedRowwiseParallel(**rowwise),
     }
 
 
 def block_plan(plan: str, fp8=None, pieces: int | None = None) -> dict:
     """``"native"`` or ``"fastmesh"`` (sequence-parallel), ``"native-plain"`` or ``"fastmesh-plain"`` (plain TP:
-    the block's input and output replicated). ``fp8`` and ``pieces`` apply to fastmesh's plans (``fp8`` to the
-    sequence-parallel one only)."""
+    the block's input and output replicated). ``fp8`` and ``pieces`` apply to fastmesh's plans."""
     if plan in ("native", "native-plain"):
         if fp8 is not None:
             raise ValueError("the native plan has no fp8 option here; use plan='fastmesh'")
@@ -221,9 +222,7 @@ def block_plan(plan: str, fp8=None, pieces: int | None = None) -> dict:
     if plan == "fastmesh":
         return fused_block_plan(fp8, pieces)
     if plan == "fastmesh-plain":
-        if fp8 is not None:
-            raise ValueError("fp8 needs sequence parallelism; use plan='fastmesh'")
-        return fused_plain_block_plan(pieces)
+        return fused_plain_block_plan(fp8, pieces)
     raise ValueError(f"plan must be 'native', 'fastmesh', 'native-plain' or 'fastmesh-plain', got {plan!r}")
 
 
