@@ -192,8 +192,9 @@ def _sm90() -> bool:
 @pytest.mark.skipif(not _sm90(), reason="torch._scaled_mm's 1x128 x 128x128 block form runs on SM90 only")
 @on_ranks(1)
 def test_block_scales_multiply_through_torch_scaled_mm_on_sm90():
-    """On SM90 the block-scaled ops multiply through torch._scaled_mm (the log says so), exactly: small integers
-    and power-of-two scales keep cuBLAS's fp32 sums exact. M = 15 rows takes the scale's padding to 4 rows."""
+    """On SM90 the block-scaled ops (scaled_matmul too) multiply through torch._scaled_mm (the log says so), exactly:
+    small integers and power-of-two scales keep cuBLAS's fp32 sums exact. M = 15 rows takes the scale's padding to
+    4 rows."""
     name, k, n, device = _world_name(), 1024, 256, torch.device("cuda")
     a = fp8_ints([3, 5, k], seed=0)
     a_scale = scale_of("block", a_scale_shape("block", a.shape), 1)
@@ -207,10 +208,12 @@ def test_block_scales_multiply_through_torch_scaled_mm_on_sm90():
         _, _, (gathered,) = torch.ops.fastmesh.all_gather_scaled_matmul(ga, gs, [gb], [gbs], 0, name, torch.bfloat16)
         reduced = torch.ops.fastmesh.scaled_matmul_all_reduce(ga, gs, gb, gbs, "sum", name, torch.bfloat16)
         scattered = torch.ops.fastmesh.scaled_matmul_reduce_scatter(ga, gs, gb, gbs, -1, "sum", name, torch.bfloat16)
-    for what, got in (("all_gather", gathered), ("all_reduce", reduced), ("reduce_scatter", scattered)):
+        local = torch.ops.fastmesh.scaled_matmul(ga, gs, gb, gbs, torch.bfloat16)
+    results = (("all_gather", gathered), ("all_reduce", reduced), ("reduce_scatter", scattered), ("local", local))
+    for what, got in results:
         assert torch.equal(got.cpu(), want.to(torch.bfloat16)), what
     said = [m for m in messages if "torch._scaled_mm's 1x128 x 128x128" in m]
-    assert len(said) == 3 and not [m for m in messages if "dequantize-and-multiply" in m], messages
+    assert len(said) == 4 and not [m for m in messages if "dequantize-and-multiply" in m], messages
 
 
 # ---- the fronts' fp8= option ----
