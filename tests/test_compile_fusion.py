@@ -499,6 +499,21 @@ def _fp8_scatter_tensorwise(x, w, b):
     return _scatter(torch._scaled_mm(data, _weight_fp8(w)[0], scale, torch.tensor(0.25), out_dtype=torch.float32), 0)
 
 
+def _fp8_all_reduce_rowwise(x, w, b):
+    # Plain TP's row-parallel linear in FP8: each rank's product of its features, summed over the ranks.
+    data, scale = _quantize_rows(x.reshape(2, -1, x.shape[-1]))
+    wq, ws = _weight_fp8(w)
+    product = torch._scaled_mm(data.flatten(0, 1), wq, scale.flatten(0, 1), ws, out_dtype=torch.bfloat16)
+    return funcol.all_reduce(product.reshape(2, -1, product.shape[-1]), "sum", _world())
+
+
+def _fp8_all_reduce_tensorwise_avg(x, w, b):
+    data, scale = _quantize(x, x.abs().amax())
+    return funcol.all_reduce(
+        torch._scaled_mm(data, _weight_fp8(w)[0], scale, torch.tensor(0.25), out_dtype=torch.float32), "avg", _world()
+    )
+
+
 # name -> (function, fused ops it must produce, matmuls they fuse)
 PATTERNS = {
     "gather_dim0": (_gather_dim0, ["fastmesh.all_gather_matmul"], 1),
@@ -528,8 +543,10 @@ PATTERNS = {
     ),
     "fp8_scatter_rowwise": (_fp8_scatter_rowwise, ["fastmesh.scaled_matmul_reduce_scatter"], 1),
     "fp8_scatter_tensorwise": (_fp8_scatter_tensorwise, ["fastmesh.scaled_matmul_reduce_scatter"], 1),
+    "fp8_all_reduce_rowwise": (_fp8_all_reduce_rowwise, ["fastmesh.scaled_matmul_all_reduce"], 1),
+    "fp8_all_reduce_tensorwise_avg": (_fp8_all_reduce_tensorwise_avg, ["fastmesh.scaled_matmul_all_reduce"], 1),
 }
-ROWWISE_PATTERNS = {"fp8_gather_rowwise", "fp8_gather_rowwise_dim1", "fp8_scatter_rowwise"}
+ROWWISE_PATTERNS = {"fp8_gather_rowwise", "fp8_gather_rowwise_dim1", "fp8_scatter_rowwise", "fp8_all_reduce_rowwise"}
 
 
 def _inputs():

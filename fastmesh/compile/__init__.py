@@ -20,8 +20,9 @@ native pattern (post-grad FX, functional collectives)       becomes
 the same -> ``wait(all_reduce(., op))``                     ``fastmesh::matmul_all_reduce(x, b, op, group)``
 either reduction of ``addmm(bias / W, x, b)`` (or ``mm`` +   the fused op, then ``+ bias`` once: DTensor's
 ``bias / W``), ``bias`` a DTensor's replicated bias, op sum  partial form of a replicated bias
-either, with ``_scaled_mm`` of FP8 data                     ``all_gather_scaled_matmul`` /
-                                                            ``scaled_matmul_reduce_scatter``
+any of them, with ``_scaled_mm`` of FP8 data               ``all_gather_scaled_matmul`` /
+                                                            ``scaled_matmul_reduce_scatter`` /
+                                                            ``scaled_matmul_all_reduce``
 ==========================================================  ==========================================
 
 The fused graph computes what the native one computes, up to summation order. Any other all-gather or

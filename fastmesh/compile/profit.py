@@ -16,6 +16,7 @@ from fastmesh.ops.fused_collectives import gather_plan_call, scatter_plan_call
 from fastmesh.ops.fused_collectives_fp8 import scaled_gather_plan_call, scaled_scatter_plan_call
 from fastmesh.ops.matmul_all_gather import plan_call as product_gather_plan_call
 from fastmesh.ops.matmul_all_reduce import plan_call as all_reduce_plan_call
+from fastmesh.ops.matmul_all_reduce import scaled_plan_call as scaled_all_reduce_plan_call
 
 
 def _gather_call(match: patterns.GatherMatch) -> plans.Call | None:
@@ -49,15 +50,16 @@ def _scatter_call(match: patterns.ScatterMatch) -> plans.Call | None:
     k = sum(a.shape[-1] for a, _ in terms)
     a = a0.new_empty(shape[:-1] + [k])  # the op's a: the product's leading dims, the terms' contractions
     b = b0.new_empty([k, b0.shape[-1]])
-    if match.scatter_dim is None:
-        return all_reduce_plan_call(a, b, match.group_name)
-    dim = match.scatter_dim % len(shape)
     if match.scaled is None:
-        return scatter_plan_call(a, b, dim, match.group_name)
+        if match.scatter_dim is None:
+            return all_reduce_plan_call(a, b, match.group_name)
+        return scatter_plan_call(a, b, match.scatter_dim % len(shape), match.group_name)
     a_scale, b_scale = (patterns.fake_value(match.scaled[name]) for name in ("scale_a", "scale_b"))
     a_scale = a.new_empty(shape[:-1] + [1], dtype=torch.float32) if a_scale.dim() else a_scale
     out_dtype = match.scaled["out_dtype"] or product.dtype
-    return scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, match.group_name, out_dtype)
+    if match.scatter_dim is None:
+        return scaled_all_reduce_plan_call(a, a_scale, b, b_scale, match.group_name, out_dtype)
+    return scaled_scatter_plan_call(a, a_scale, b, b_scale, match.scatter_dim % len(shape), match.group_name, out_dtype)
 
 
 def unprofitable(match) -> str | None:

@@ -254,14 +254,26 @@ def fuse_reduce_scatter(graph: Graph, match: ScatterMatch):
 
 
 def fuse_all_reduce(graph: Graph, match: ScatterMatch):
-    """Replace the matmul(s) and the all-reduce by one ``fastmesh::matmul_all_reduce``, plus the partial
-    biases added once after. Returns the new node or an :class:`Unfusable`."""
-    if match.scaled:
-        return Unfusable("an all-reduce of a scaled matmul: fastmesh has no FP8 matmul_all_reduce for the pass")
+    """Replace the matmul(s) and the all-reduce by one ``fastmesh::matmul_all_reduce`` (or, for a
+    ``_scaled_mm``, ``scaled_matmul_all_reduce``), plus the partial biases added once after. Returns the new
+    node or an :class:`Unfusable`."""
     build = _NodeBuilder(graph, match.collective)
+    scaled = match.scaled
     try:
-        a, b, _ = _reduction_operands(build, match)
-        fused = build.call(torch.ops.fastmesh.matmul_all_reduce.default, a, b, match.reduce_op, match.group_name)
+        a, b, a_scale = _reduction_operands(build, match)
+        if scaled:
+            fused = build.call(
+                torch.ops.fastmesh.scaled_matmul_all_reduce.default,
+                a,
+                a_scale,
+                b,
+                scaled["scale_b"],
+                match.reduce_op,
+                match.group_name,
+                scaled["out_dtype"] or a.meta["val"].dtype,
+            )
+        else:
+            fused = build.call(torch.ops.fastmesh.matmul_all_reduce.default, a, b, match.reduce_op, match.group_name)
     except Exception as error:
         build.undo()
         return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")
