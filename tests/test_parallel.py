@@ -764,6 +764,45 @@ def test_plain_tp_fp8_styles_match_the_quantized_reference(world_size):
         assert named["forward"] == {"all_reduce": 1}, (case, named)
 
 
+@on_ranks(2)
+def test_fp8_replicate_dtensor_input_leaves_its_gradient_partial():
+    """A ``Replicate()`` DTensor into ``FusedColwiseParallel(fp8=)`` (as after ``PrepareModuleInput``): the FP8
+    output of a replicated plain tensor, bit for bit, and an input gradient left ``Partial`` (no fastmesh
+    collective; reduced where the input was made replicated, here by from_local's backward) that sums to the plain
+    path's all-reduced one."""
+    mesh, world = _tp_mesh(), dist.get_world_size()
+    x = _randn((2, 3, 64), seed=31)
+    for granularity, output_layout in itertools.product(("mx", "block1x128"), (Shard(-1), Replicate())):
+        config = Float8Config(granularity=granularity)
+        replicated_out = isinstance(output_layout, Replicate)
+        # A replicated output's gradient is the same on every rank; a column-sharded one's is this rank's columns'.
+        g = _randn((2, 3, 32 * world), seed=32) if replicated_out else _randn((2, 3, 32), seed=32 + dist.get_rank())
+        torch.manual_seed(0)
+        unsharded = nn.Linear(64, 32 * world)
+        runs = {}
+        for given in ("dtensor", "plain"):
+            style = FusedColwiseParallel(input_layouts=Replicate(), output_layouts=output_layout, fp8=config)
+            linear = parallelize_module(copy.deepcopy(unsharded), mesh, style)
+            xs = x.clone().requires_grad_()
+            out = {}
+
+            def step():
+                y = linear(DTensor.from_local(xs, mesh, [Replicate()], run_check=False) if given == "dtensor" else xs)
+                out["y"] = y
+                (y * g).sum().backward()
+
+            named, issued = _count_phases(step)
+            runs[given] = (out["y"], xs.grad, _full(linear.weight.grad), named, issued)
+        (y, dx, dw, named, issued), (want_y, want_dx, want_dw, _, want_issued) = runs["dtensor"], runs["plain"]
+        case = f"{granularity}, output_layouts={output_layout}"
+        assert torch.equal(y, want_y), case
+        torch.testing.assert_close(dx, want_dx, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: grad x: {m}")
+        torch.testing.assert_close(dw, want_dw, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: grad w: {m}")
+        assert not [op for ops in issued.values() for op in ops if op in _FUSED_AS], (case, issued)
+        assert named["backward"].get("all_reduce") == 1, (case, named)
+        assert torch.ops.fastmesh.scaled_matmul_all_reduce in want_issued["backward"], (case, want_issued)
+
+
 # ---- compile ----
 
 
@@ -974,13 +1013,6 @@ def test_bad_plans_raise_clear_errors():
         ValueError,
         "fp8 granularity must be one of 'tensorwise', 'rowwise', 'mx', 'block1x128'",
         lambda: FusedColwiseParallel(fp8=Float8Config(granularity="block128x128")),
-    )
-    replicated = DTensor.from_local(torch.randn(2, 4, 8), mesh, [Replicate()], run_check=False)
-    _raises(
-        ValueError,
-        "FusedColwiseParallel: fp8 takes a sequence-sharded input or a replicated plain tensor "
-        "\\(input_layouts=Replicate\\(\\)\\), got a Replicate\\(\\) DTensor",
-        lambda: apply(nn.Linear(8, 8), FusedColwiseParallel(fp8=Float8Config()))(replicated),
     )
     mx_plain = FusedColwiseParallel(input_layouts=Replicate(), fp8=Float8Config(granularity="mx"))
     _raises(

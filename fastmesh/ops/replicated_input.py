@@ -14,6 +14,8 @@ Shapes::
 
 ``gathered=True`` (an LM head's replicated output): each product's columns are gathered from every rank while they
 are multiplied (``matmul_all_gather``); the backward keeps this rank's columns of the gradient.
+``reduce_input_grad=False``: grad_x is this rank's partial sum, ``sum_i grad_i @ w_i``, for an input whose gradient
+is reduced elsewhere (a ``Replicate()`` DTensor made local with a ``Partial()`` gradient).
 
 FP8 (``fp8=Float8Config(...)``, current scaling; not with ``gathered``): x is quantized per its rows, each w_i per
 output column (MX: blocks of 32 along K; block1x128: 128x128 blocks), and they multiply through
@@ -54,10 +56,16 @@ def _concatenated(grads, weights) -> tuple[torch.Tensor, torch.Tensor]:
     return grad, weight
 
 
+def _input_grad(grads, weights, group: str, pieces: int | None, reduce: bool) -> torch.Tensor:
+    """sum_i g_i @ w_i, all-reduced over the group inside its matmul where ``reduce``."""
+    grad, weight = _concatenated(grads, weights)
+    return matmul_all_reduce(grad, weight, group=group, pieces=pieces) if reduce else grad @ weight
+
+
 class _ReplicatedInputMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str, pieces: int | None, gathered: bool, *weights: torch.Tensor):
-        ctx.group, ctx.pieces, ctx.gathered = group, pieces, gathered
+    def forward(ctx, x, group: str, pieces: int | None, gathered: bool, reduce_grad: bool, *weights: torch.Tensor):
+        ctx.group, ctx.pieces, ctx.gathered, ctx.reduce_grad = group, pieces, gathered, reduce_grad
         ctx.save_for_backward(x, *weights)
         if gathered:  # every rank's columns, gathered while they are multiplied
             return tuple(matmul_all_gather(x, w.t(), group=group, pieces=pieces) for w in weights)
@@ -70,21 +78,22 @@ class _ReplicatedInputMatmul(torch.autograd.Function):
             grads = tuple(torch.ops.fastmesh.rank_columns(g, ctx.group) for g in grads)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = matmul_all_reduce(*_concatenated(grads, weights), group=ctx.group, pieces=ctx.pieces)
+            grad_x = _input_grad(grads, weights, ctx.group, ctx.pieces, ctx.reduce_grad)
         x_rows = as_matrix(x)
-        grad_ws = [as_matrix(g).t() @ x_rows if needed else None for g, needed in zip(grads, ctx.needs_input_grad[4:])]
-        return (grad_x, None, None, None, *grad_ws)
+        grad_ws = [as_matrix(g).t() @ x_rows if needed else None for g, needed in zip(grads, ctx.needs_input_grad[5:])]
+        return (grad_x, None, None, None, None, *grad_ws)
 
 
 class _Float8ReplicatedInputMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group: str, pieces: int | None, config, dgrad_in_fp8: bool, *weights):
+    def forward(ctx, x, group: str, pieces: int | None, reduce_grad: bool, config, dgrad_in_fp8: bool, *weights):
         x_data, x_scale = quantize_rows(x, config.dtype, config)
         outs = []
         for w in weights:
             w_data, w_scale = quantize_columns(w.t(), config.dtype, config)
             outs.append(torch.ops.fastmesh.scaled_matmul(x_data, x_scale, w_data, w_scale, x.dtype))
-        ctx.group, ctx.pieces, ctx.config, ctx.dgrad_in_fp8, ctx.dtype = group, pieces, config, dgrad_in_fp8, x.dtype
+        ctx.group, ctx.pieces, ctx.reduce_grad, ctx.dtype = group, pieces, reduce_grad, x.dtype
+        ctx.config, ctx.dgrad_in_fp8 = config, dgrad_in_fp8
         ctx.save_for_backward(x_data, x_scale, *weights)
         return tuple(outs)
 
@@ -92,20 +101,22 @@ class _Float8ReplicatedInputMatmul(torch.autograd.Function):
     def backward(ctx, *grads):
         x_data, x_scale, *weights = ctx.saved_tensors
         grad_x = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and not ctx.dgrad_in_fp8:
+            grad_x = _input_grad(grads, weights, ctx.group, ctx.pieces, ctx.reduce_grad)
+        elif ctx.needs_input_grad[0]:
             grad, weight = _concatenated(grads, weights)
-            if ctx.dgrad_in_fp8:
-                g_data, g_scale = quantize_rows(grad, ctx.config.grad_dtype, ctx.config)
-                # weight [N, K] is the product's b: quantized per its columns, along N (the contraction).
-                w_data, w_scale = quantize_columns(weight, ctx.config.dtype, ctx.config)
+            g_data, g_scale = quantize_rows(grad, ctx.config.grad_dtype, ctx.config)
+            # weight [N, K] is the product's b: quantized per its columns, along N (the contraction).
+            w_data, w_scale = quantize_columns(weight, ctx.config.dtype, ctx.config)
+            if ctx.reduce_grad:
                 grad_x = torch.ops.fastmesh.scaled_matmul_all_reduce(
                     g_data, g_scale, w_data, w_scale, "sum", ctx.group, ctx.dtype, ctx.pieces or 0
                 )
             else:
-                grad_x = matmul_all_reduce(grad, weight, group=ctx.group, pieces=ctx.pieces)
+                grad_x = torch.ops.fastmesh.scaled_matmul(g_data, g_scale, w_data, w_scale, ctx.dtype)
         x_rows = as_matrix(dequantize(x_data, x_scale, ctx.dtype))
-        grad_ws = [as_matrix(g).t() @ x_rows if needed else None for g, needed in zip(grads, ctx.needs_input_grad[5:])]
-        return (grad_x, None, None, None, None, *grad_ws)
+        grad_ws = [as_matrix(g).t() @ x_rows if needed else None for g, needed in zip(grads, ctx.needs_input_grad[6:])]
+        return (grad_x, None, None, None, None, None, *grad_ws)
 
 
 def replicated_input_matmul(
@@ -115,13 +126,14 @@ def replicated_input_matmul(
     pieces: int | None = None,
     gathered: bool = False,
     fp8: Float8Config | None = None,
+    reduce_input_grad: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """``x @ w.T`` for each of this rank's weight rows ``w`` (module docstring); ``pieces``: the backward's (or the
     gathered output's) pipeline pieces, None for the op's plan per call."""
     if fp8 is None:
-        return _ReplicatedInputMatmul.apply(x, group_name, pieces, gathered, *weights)
+        return _ReplicatedInputMatmul.apply(x, group_name, pieces, gathered, reduce_input_grad, *weights)
     if gathered:
         raise ValueError(f"{_FRONT}: fp8 has no form that gathers the output columns while they are multiplied")
     dgrad_in_fp8 = fp8_dgrad_possible(fp8, x)
     check_fp8_contraction(fp8, x.shape[-1], sum(w.shape[0] for w in weights), dgrad_in_fp8, _FRONT)
-    return _Float8ReplicatedInputMatmul.apply(x, group_name, pieces, fp8, dgrad_in_fp8, *weights)
+    return _Float8ReplicatedInputMatmul.apply(x, group_name, pieces, reduce_input_grad, fp8, dgrad_in_fp8, *weights)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
@@ -109,7 +109,7 @@ class FusedColwiseParallel(ParallelStyle):
             plain-tensor input is quantized where it is), the weights are quantized per output column (or
             tensor; MX blocks along K; 128x128 for block1x128), and the backward runs in FP8 or high precision
             per ``backward_in_fp8``. Each rank's scales are those of its own shard and travel with it, so no
-            amax is reduced across the group. Not with a ``Replicate()`` DTensor input.
+            amax is reduced across the group.
         pieces (int, optional):
             The fused op's pipeline pieces of rows per rank (default: the op's plan per call).
         chunks (int, optional):
@@ -236,12 +236,17 @@ class FusedColwiseParallel(ParallelStyle):
     def _replicated_dtensor_matmul(self, linear: nn.Linear, x: DTensor):
         """A ``Replicate()`` DTensor input: the matmul runs as torch's ColwiseParallel runs it. Its gradient stays
         a Partial DTensor, reduced where the input was made replicated (after ``PrepareModuleInput``, a
-        reduce-scatter), so it is not all-reduced here."""
+        reduce-scatter), so it is not all-reduced here. In FP8, the local FP8 matmul of a replicated plain tensor,
+        its input gradient left partial."""
         if self.fp8 is not None:
-            raise ValueError(
-                f"{_COLWISE}: fp8 takes a sequence-sharded input or a replicated plain tensor "
-                "(input_layouts=Replicate()), got a Replicate() DTensor; pass its local tensor"
+            mesh = x.device_mesh
+            weight = local_parameter(linear, "weight", _COLWISE, "the module")
+            local = x.to_local(grad_placements=[Partial()])
+            (out,) = replicated_input_matmul(
+                local, [weight], group_name(mesh), self.pieces, fp8=self.fp8, reduce_input_grad=False
             )
+            bias = local_parameter(linear, "bias", _COLWISE, "the module")
+            return self._prepare_output_fn(out if bias is None else out + bias, mesh)
         out = F.linear(x, linear.weight, linear.bias)
         if isinstance(self.output_layouts[0], Replicate):
             out = out.redistribute(x.device_mesh, [Replicate()])
