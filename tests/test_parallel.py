@@ -1014,6 +1014,17 @@ def test_bad_plans_raise_clear_errors():
         "fp8 granularity must be one of 'tensorwise', 'rowwise', 'mx', 'block1x128'",
         lambda: FusedColwiseParallel(fp8=Float8Config(granularity="block128x128")),
     )
+    _raises(
+        ValueError,
+        f"FusedRowwiseParallel: fp8 granularity 'mx' needs each rank's contraction \\(the module.in_features / "
+        f"{world} = 40\\) to be a multiple of 32",
+        lambda: apply(nn.Linear(40 * world, 64), FusedRowwiseParallel(fp8=Float8Config(granularity="mx"))),
+    )
+    _raises(
+        ValueError,
+        "FusedColwiseParallel: fp8 granularity 'mx' needs each rank's contraction \\(the module.in_features = 48\\)",
+        lambda: apply(nn.Linear(48, 64), FusedColwiseParallel(fp8=Float8Config(granularity="mx"))),
+    )
     mx_plain = FusedColwiseParallel(input_layouts=Replicate(), fp8=Float8Config(granularity="mx"))
     _raises(
         ValueError,

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from fastmesh.ops._checks import MX, MX_BLOCK
 from fastmesh.ops._fp8_operands import OUT_DTYPES, check_config
 from fastmesh.ops._fused_common import check_pieces, resolve_pieces
 
@@ -75,6 +76,14 @@ def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_featur
         raise TypeError(
             f"{style}: fp8 cannot serve {what}'s dtype {module.weight.dtype}: FP8 matmuls produce "
             "float32, bfloat16 or float16; convert the module or drop fp8"
+        )
+    # MX blocks run along each rank's contraction: all of in_features column-wise, its TP shard row-wise.
+    contraction = module.in_features // tp if sharded_features == "in_features" else module.in_features
+    if fp8 is not None and fp8.granularity == MX and contraction % MX_BLOCK:
+        raise ValueError(
+            f"{style}: fp8 granularity 'mx' needs each rank's contraction ({what}.in_features"
+            f"{f' / {tp}' if contraction != module.in_features else ''} = {contraction}) to be a multiple of "
+            f"{MX_BLOCK}; pick another granularity for this linear"
         )
     return module
 
