@@ -217,64 +217,44 @@ def _finish_reduction(graph: Graph, build: _NodeBuilder, match: ScatterMatch, fu
     return fused
 
 
-def fuse_reduce_scatter(graph: Graph, match: ScatterMatch):
-    """Replace the matmul(s) and the reduce-scatter by one ``fastmesh::matmul_reduce_scatter`` (or, for a
-    ``_scaled_mm``, ``scaled_matmul_reduce_scatter``), plus the partial biases added once after; a sum of
-    matmuls ``sum_j x_j @ b_j`` becomes one matmul of ``cat(x_j, -1)`` by ``cat(b_j, 0)``. Returns the new
-    node or an :class:`Unfusable`."""
+def _fuse_reduction(graph: Graph, match: ScatterMatch, op, scaled_op, *where):
+    """Replace the matmul(s) and the reduction by one ``op(a, b, *where, reduce_op, group_name)`` or, for a
+    ``_scaled_mm``, ``scaled_op(a, a_scale, b, b_scale, *where, reduce_op, group_name, out_dtype)``, plus the
+    partial biases added once after; a sum of matmuls ``sum_j x_j @ b_j`` becomes one matmul of ``cat(x_j, -1)``
+    by ``cat(b_j, 0)``. Returns the new node or an :class:`Unfusable`."""
     build = _NodeBuilder(graph, match.collective)
     scaled = match.scaled
     try:
         a, b, a_scale = _reduction_operands(build, match)
         if scaled:
-            fused = build.call(
-                torch.ops.fastmesh.scaled_matmul_reduce_scatter.default,
-                a,
-                a_scale,
-                b,
-                scaled["scale_b"],
-                match.scatter_dim,
-                match.reduce_op,
-                match.group_name,
-                scaled["out_dtype"] or a.meta["val"].dtype,
-            )
+            out_dtype = scaled["out_dtype"] or a.meta["val"].dtype
+            args = (a, a_scale, b, scaled["scale_b"], *where, match.reduce_op, match.group_name, out_dtype)
+            fused = build.call(scaled_op, *args)
         else:
-            fused = build.call(
-                torch.ops.fastmesh.matmul_reduce_scatter.default,
-                a,
-                b,
-                match.scatter_dim,
-                match.reduce_op,
-                match.group_name,
-            )
+            fused = build.call(op, a, b, *where, match.reduce_op, match.group_name)
     except Exception as error:
         build.undo()
         return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")
     return _finish_reduction(graph, build, match, fused)
+
+
+def fuse_reduce_scatter(graph: Graph, match: ScatterMatch):
+    """One ``fastmesh::matmul_reduce_scatter`` (``scaled_matmul_reduce_scatter`` for a ``_scaled_mm``) in place
+    of the matmul(s) and the reduce-scatter (:func:`_fuse_reduction`)."""
+    fastmesh_ops = torch.ops.fastmesh
+    return _fuse_reduction(
+        graph,
+        match,
+        fastmesh_ops.matmul_reduce_scatter.default,
+        fastmesh_ops.scaled_matmul_reduce_scatter.default,
+        match.scatter_dim,
+    )
 
 
 def fuse_all_reduce(graph: Graph, match: ScatterMatch):
-    """Replace the matmul(s) and the all-reduce by one ``fastmesh::matmul_all_reduce`` (or, for a
-    ``_scaled_mm``, ``scaled_matmul_all_reduce``), plus the partial biases added once after. Returns the new
-    node or an :class:`Unfusable`."""
-    build = _NodeBuilder(graph, match.collective)
-    scaled = match.scaled
-    try:
-        a, b, a_scale = _reduction_operands(build, match)
-        if scaled:
-            fused = build.call(
-                torch.ops.fastmesh.scaled_matmul_all_reduce.default,
-                a,
-                a_scale,
-                b,
-                scaled["scale_b"],
-                match.reduce_op,
-                match.group_name,
-                scaled["out_dtype"] or a.meta["val"].dtype,
-            )
-        else:
-            fused = build.call(torch.ops.fastmesh.matmul_all_reduce.default, a, b, match.reduce_op, match.group_name)
-    except Exception as error:
-        build.undo()
-        return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")
-    return _finish_reduction(graph, build, match, fused)
+    """One ``fastmesh::matmul_all_reduce`` (``scaled_matmul_all_reduce`` for a ``_scaled_mm``) in place of the
+    matmul(s) and the all-reduce (:func:`_fuse_reduction`)."""
+    fastmesh_ops = torch.ops.fastmesh
+    return _fuse_reduction(
+        graph, match, fastmesh_ops.matmul_all_reduce.default, fastmesh_ops.scaled_matmul_all_reduce.default
+    )
