@@ -34,13 +34,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastmesh.bench import launch, machine
 from fastmesh.bench.fused_collectives import Spec, parse_spec
 from fastmesh.ops import plans
+from fastmesh.ops._fp8_operands import GRANULARITIES
 from fastmesh.ops.plan_cache import ENV_PATH, PlanCache, default_path
 from fastmesh.testing.llama import LlamaArgs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# --fp8, each a Float8Config granularity: the torch._scaled_mm forms. The benchmark's MX and block forms are not
-# tuned here (not tried under tune; "block" there names a recipe, not a config granularity).
-FP8_GRANULARITIES = ("rowwise", "tensorwise")
 # Decision.source as the table says it: a plan from the cache was not measured by this run.
 _SOURCES = {"measured": "measured", "cache": "cached"}
 
@@ -102,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="default bfloat16")
     parser.add_argument(
-        "--fp8", choices=FP8_GRANULARITIES, default=None, help="also tune the FP8 forms, with this scaling granularity"
+        "--fp8", choices=GRANULARITIES, default=None, help="also tune the FP8 forms, with this scaling granularity"
     )
     parser.add_argument(
         "--cache",

@@ -139,6 +139,8 @@ def test_tune_block_measures_then_reports_cached(tmp_path):
         (["--world", "1", "--tokens", "32"], "--world must be >= 2"),
         (["--threads", "0", "--tokens", "32"], "--threads must be >= 1, got 0"),
         ([], "nothing to tune"),
+        (["--fp8", "mx"], "nothing to tune"),  # every granularity the fused ops take passes the parser
+        (["--fp8", "block128x128"], "invalid choice: 'block128x128'"),
     ],
 )
 def test_bad_options_are_named(args, message, capsys):
