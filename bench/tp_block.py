@@ -192,7 +192,9 @@ def _fp8_config(device_type, note):
 def _variants(dtype_name, form, mesh, note):
     """{contender: (plan, fusion)} for one dtype; plan "native" / "fastmesh" (the form names the block plan)."""
     variants = {"native": ("native", None), "fastmesh": ("fastmesh", None)}
-    if dtype_name == "float8" and form.sequence_parallel:
+    if dtype_name != "float8":
+        variants.update(COMPILED)
+    elif form.sequence_parallel:  # torchao's float8 plan here is the sequence-parallel one
         ok, why = torchao_baselines.status()
         try:
             if not ok:
@@ -201,8 +203,6 @@ def _variants(dtype_name, form, mesh, note):
             variants["torchao"] = ("torchao", None)
         except RuntimeError as error:
             note(f"torchao float8 plan not run: {error}")
-    elif dtype_name != "float8":
-        variants.update(COMPILED)
     return variants
 
 

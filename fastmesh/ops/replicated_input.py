@@ -114,8 +114,10 @@ class _Float8ReplicatedInputMatmul(torch.autograd.Function):
                 )
             else:
                 grad_x = torch.ops.fastmesh.scaled_matmul(g_data, g_scale, w_data, w_scale, ctx.dtype)
-        x_rows = as_matrix(dequantize(x_data, x_scale, ctx.dtype))
-        grad_ws = [as_matrix(g).t() @ x_rows if needed else None for g, needed in zip(grads, ctx.needs_input_grad[6:])]
+        grad_ws = [None] * len(weights)
+        if any(ctx.needs_input_grad[6:]):
+            x_rows = as_matrix(dequantize(x_data, x_scale, ctx.dtype))
+            grad_ws = [as_matrix(g).t() @ x_rows if need else None for g, need in zip(grads, ctx.needs_input_grad[6:])]
         return (grad_x, None, None, None, None, None, *grad_ws)
 
 

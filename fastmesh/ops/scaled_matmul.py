@@ -29,14 +29,10 @@ from fastmesh.ops._library import library, qualified_name
 _OP = "fastmesh::scaled_matmul"
 
 
-def _product_shape(a, b) -> list:
-    return list(a.shape[:-1]) + [b.shape[1]]
-
-
 @torch.library.register_fake(qualified_name("scaled_matmul"))
 def _scaled_matmul_fake(a, a_scale, b, b_scale, out_dtype):
     check_scaled_operands(a, a_scale, b, b_scale, out_dtype, _OP)
-    return a.new_empty(_product_shape(a, b), dtype=out_dtype)
+    return a.new_empty(list(a.shape[:-1]) + [b.shape[1]], dtype=out_dtype)
 
 
 def _scaled_matmul_kernel(a, a_scale, b, b_scale, out_dtype):
