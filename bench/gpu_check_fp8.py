@@ -9,17 +9,17 @@ Standalone, for a machine with an NVIDIA GPU (torch 2.11+ with CUDA; fastmesh bu
     python bench/gpu_check_fp8.py --device cpu --quick  # dry run of the checks on the CPU kernels (no GPU needed)
 
 1. Correctness. ``torch.ops.fastmesh.fp8_quantize_native`` (with ``--impl triton``: ``fastmesh::fp8_quantize``
-   running the Triton kernels) and ``torch.ops.fastmesh.amax`` on CUDA against
-   ``kernels/fp8_reference.py`` computed on the CPU: every granularity x FP8 dtype x input dtype x scale
-   source (current, current + power_of_two, given amax, given amax + power_of_two, given scale) x transpose,
-   on odd and even shapes (1-D, 3-D, empty, unaligned storage, K below one vector, rows longer than the
-   kernels' register cache, more work than one grid), with data of wide dynamic range plus adversarial
-   values (+-0, +-inf, NaN, fp32/bf16 subnormals, all-zero and tiny-amax groups, FP8 rounding ties and
-   their neighbours, values past the FP8 maximum). Every call runs twice, each time on output memory
-   poisoned with a different byte, and must be bit-identical (NaN: any NaN) to the reference both times,
-   so an element the kernel forgot to write cannot pass. The MX cast the same way:
-   ``torch.ops.fastmesh.mx_quantize_native`` (``--impl triton``: ``fastmesh::mx_quantize`` running its Triton
-   kernel) against ``kernels/mx_reference.py``, both roundings, with and without transpose, on shapes 32
+   running the Triton kernels) and ``torch.ops.fastmesh.amax`` on CUDA against ``kernels/fp8_reference.py`` computed
+   on the CPU: every granularity x FP8 dtype x input dtype x scale source (current, current + power_of_two, given
+   amax, given amax + power_of_two, given scale) x transpose, on odd and even shapes (1-D, 3-D, empty, unaligned
+   storage, K below one vector, rows longer than the kernels' register cache, more work than one grid), with data of
+   wide dynamic range plus adversarial values (+-0, +-inf, NaN, fp32/bf16 subnormals, all-zero and tiny-amax groups,
+   FP8 rounding ties and their neighbours, values past the FP8 maximum). Every call runs twice, each time on output
+   memory poisoned with a different byte, and must be bit-identical (NaN: any NaN) to the reference both times, so an
+   element the kernel forgot to write cannot pass. Calls the contract forbids must raise: checked in a child process
+   (``--rejections-only``), so that a process dying while it raises is reported, not fatal to the rest. The MX cast
+   the same way: ``torch.ops.fastmesh.mx_quantize_native`` (``--impl triton``: ``fastmesh::mx_quantize`` running its
+   Triton kernel) against ``kernels/mx_reference.py``, both roundings, with and without transpose, on shapes 32
    divides, the data above plus blocks whose amax sits at and one ulp around the rules' powers of two.
 2. Bandwidth. 8192 x 8192 bfloat16 per granularity (and with transpose), and the MX cast per rounding (and
    with transpose), timed with CUDA events (median of many runs) two ways: one eager call on an idle GPU (host
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
+import json
 import math
 import os
 import platform
@@ -684,6 +685,43 @@ def check_mx_rejections(failures: list) -> int:
     return len(bad)
 
 
+def run_rejections(mx_loaded: bool) -> int:
+    """--rejections-only (the child of start_rejections_child): the rejected-call checks, reported as one JSON line."""
+    failures: list[str] = []
+    counts = {"rejected calls": check_rejections(failures)}
+    if mx_loaded:
+        counts["rejected MX calls"] = check_mx_rejections(failures)
+    print(json.dumps({"counts": counts, "failures": failures}))
+    return 1 if failures else 0
+
+
+def start_rejections_child(args) -> subprocess.Popen:
+    command = [sys.executable, os.path.abspath(__file__), "--rejections-only", "--impl", args.impl, "--device", DEVICE]
+    if args.library:
+        command += ["--library", args.library]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_rejections_child(child: subprocess.Popen, failures: list, timeout_s: float = 120) -> dict:
+    """The child's counts; its failures appended to ``failures``, and one failure if it died or said nothing."""
+    try:
+        output, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        output, _ = child.communicate()
+    lines = output.strip().splitlines()
+    try:
+        report = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        code = child.returncode
+        how = f"died by signal {-code}" if code is not None and code < 0 else f"exited {code}"
+        tail = " | ".join(lines[-3:]) or "no output"
+        failures.append(f"rejected calls NOT CHECKED: the checking process {how} before reporting ({tail})")
+        return {}
+    failures.extend(report["failures"])
+    return report["counts"]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Benchmark
 # ----------------------------------------------------------------------------------------------------
@@ -981,6 +1019,9 @@ def main() -> int:
     )
     parser.add_argument("--library", help="load the ops from this shared library instead of importing fastmesh")
     parser.add_argument(
+        "--rejections-only", action="store_true", help=argparse.SUPPRESS
+    )  # the child process of the checks
+    parser.add_argument(
         "--device",
         default="cuda",
         choices=["cuda", "cpu"],
@@ -1015,8 +1056,10 @@ def main() -> int:
     except Exception as error:
         print(f"setup failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
-    describe_machine(source)
     mx_ref = load_mx_reference()
+    if args.rejections_only:
+        return run_rejections(not isinstance(mx_ref, str))
+    describe_machine(source)
     mx_not_checked = None
     if isinstance(mx_ref, str):
         mx_not_checked = f"MX cast NOT CHECKED: kernels/mx_reference.py did not load ({mx_ref})"
@@ -1040,10 +1083,10 @@ def main() -> int:
         started = time.perf_counter()
         DEADLINE[0] = started + args.check_seconds
         counts = {}
-        # Cheap, distinct checks first, so that a run out of time still covers every kind of check.
-        counts["rejected calls"] = check_rejections(failures)
-        if mx_ref is not None:
-            counts["rejected MX calls"] = check_mx_rejections(failures)
+        # The rejected calls run in a child process beside the checks below: a crash while raising (on the
+        # 2026-12-04 GPU image every C++ error message formatting an integer crashed the process) must not take
+        # the correctness results with it.
+        rejections = start_rejections_child(args)
         counts["amax"] = check_amax(ref, args.quick, failures, poisoner)
         counts[f"{quantize_op.__name__.lstrip('_')}, large"] = check_large(ref, failures, poisoner)
         try:
@@ -1052,6 +1095,7 @@ def main() -> int:
             counts[quantize_op.__name__.lstrip("_")] = check_quantize(ref, args.quick, failures, poisoner)
         except OutOfTime as stop:
             incomplete = f"correctness checks INCOMPLETE: out of time (--check-seconds {args.check_seconds:.0f}) {stop}"
+        counts.update(finish_rejections_child(rejections, failures))
         print(
             f"\ncorrectness ({time.perf_counter() - started:.0f} s): "
             + ", ".join(f"{n} {name}" for name, n in counts.items())
