@@ -123,6 +123,41 @@ def test_llama_block_matches_native_plan_and_unsharded(world_size):
                 )
 
 
+@on_ranks(2)
+def test_deep_copy_of_a_parallelized_block_runs_its_own_weights():
+    """copy.deepcopy of a parallelized model (EMA / SWA copies, torch.optim.swa_utils.AveragedModel) gives a copy
+    that computes with, and sends gradients to, its own parameters; the original is unchanged. The sibling
+    linears of linears= once kept their parent's SharedGather in closures, so a copy ran the original weights."""
+    mesh = _tp_mesh()
+    batch, seq_len, args = _block_cases(2)[0]
+    torch.manual_seed(0)
+    unsharded = Block(args)
+    x, grad_out = _randn((batch, seq_len, args.dim), seed=1), _randn((batch, seq_len, args.dim), seed=2)
+    rope = rope_tables(seq_len, args.head_dim, args.rope_theta)
+    for plan in ("fastmesh", "fastmesh-plain"):
+        part = (lambda t: t) if plan.endswith("plain") else (lambda t: _shard(t, 1))
+        block = parallelize_module(copy.deepcopy(unsharded), mesh, block_plan(plan))
+        want_y, want_dx, want_grads = _run_block(block, part(x), rope, part(grad_out))
+        block.zero_grad(set_to_none=True)
+
+        twin = copy.deepcopy(block)
+        y, dx, grads = _run_block(twin, part(x), rope, part(grad_out))  # the same weights: the same results
+        torch.testing.assert_close(y, want_y, rtol=0, atol=0, msg=lambda m: f"{plan}: copy's output: {m}")
+        torch.testing.assert_close(dx, want_dx, rtol=0, atol=0, msg=lambda m: f"{plan}: copy's grad x: {m}")
+        assert grads.keys() == want_grads.keys(), plan
+        assert all(p.grad is None for p in block.parameters()), f"{plan}: the copy's backward reached the original"
+
+        with torch.no_grad():
+            for name, parameter in twin.named_parameters():
+                if not name.endswith("norm.weight"):
+                    parameter.zero_()  # every linear's weight: the copy's attention and FFN add nothing
+        twin.zero_grad(set_to_none=True)
+        y, _, _ = _run_block(twin, part(x), rope, part(grad_out))
+        torch.testing.assert_close(y, part(x), rtol=0, atol=0, msg=lambda m: f"{plan}: zeroed copy's output: {m}")
+        y, _, _ = _run_block(block, part(x), rope, part(grad_out))
+        torch.testing.assert_close(y, want_y, rtol=0, atol=0, msg=lambda m: f"{plan}: original after the copy: {m}")
+
+
 # ---- small integers: bit-exact ----
 
 

@@ -45,11 +45,17 @@ _COLWISE = "FusedColwiseParallel"  # the style whose linears= builds a SharedGat
 # On the gathered input itself, so that each sibling finds its output by its argument alone: compiled
 # activation checkpointing forbids state outside the call.
 _SIBLING_OUTPUTS = "_fastmesh_sibling_outputs"
+# On the modules, not in closures, so that copy.deepcopy of a parallelized model gives a copy that runs its own
+# weights: the parent holds its SharedGather, each listed linear (its SharedGather, its name), and their forwards
+# are module-level functions bound to them (a deep copy rebinds a bound method to the copy of its module).
+_SHARED_GATHER = "_fastmesh_shared_gather"
+_SIBLING = "_fastmesh_sibling"
 
 
 class SharedGather:
     """The listed linears of ``parent`` under ``style`` (a ``FusedColwiseParallel`` with ``linears``), and the
-    gather they share. Built by the style's ``_apply``; :meth:`wrap_forward` gives the parent's forward."""
+    gather they share. Built by the style's ``_apply``: it shards the linears and replaces their forwards and the
+    parent's."""
 
     def __init__(self, style, mesh: DeviceMesh, parent: nn.Module):
         self.style, self.mesh = style, mesh
@@ -74,19 +80,11 @@ class SharedGather:
         self.eager_gathered: DTensor | None = None
         for name, linear in self.named_linears:
             style._partition_linear_fn(linear, mesh)
-            linear.forward = types.MethodType(self._sibling_forward(name), linear)
-
-    def wrap_forward(self, forward):
-        """The parent's forward (``forward``, bound), preceded by the shared gather and followed by release."""
-
-        def gathered_forward(parent: nn.Module, *args, **kwargs):
-            args, kwargs = self.gather_and_multiply(parent, args, kwargs)
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self.release()
-
-        return gathered_forward
+            setattr(linear, _SIBLING, (self, name))
+            linear.forward = types.MethodType(_sibling_forward, linear)
+        self.parent_forward = parent.forward  # bound to the parent
+        setattr(parent, _SHARED_GATHER, self)
+        parent.forward = types.MethodType(_gathered_forward, parent)
 
     def gather_and_multiply(self, parent: nn.Module, args: tuple, kwargs: dict):
         """The parent's arguments with its input replaced by the gathered input, which carries the outputs."""
@@ -132,26 +130,37 @@ class SharedGather:
         )
         return getattr(gathered, _SIBLING_OUTPUTS) if same else None
 
-    def _sibling_forward(self, name: str):
-        """The forward of the listed linear ``name`` (bound to it): its shared output, or a run of its own."""
+    def sibling_forward(self, linear: nn.Linear, name: str, x):
+        """The forward of the listed linear ``name``: its shared output, or a run of its own."""
+        outputs = self._outputs_for(x)
+        if outputs is not None:
+            return outputs[name]
+        if self.eager_gathered is not None:
+            log_once(
+                logger,
+                logging.WARNING,
+                ("fastmesh.parallel", id(self), name),
+                "%s: %s was called with an input other than the gathered input of its "
+                "parent, so it runs on its own (no shared gather)",
+                _COLWISE,
+                name,
+            )
+        return self.style._forward(linear, x, self.mesh, name)
 
-        def forward(linear: nn.Linear, x):
-            outputs = self._outputs_for(x)
-            if outputs is not None:
-                return outputs[name]
-            if self.eager_gathered is not None:
-                log_once(
-                    logger,
-                    logging.WARNING,
-                    ("fastmesh.parallel", id(self), name),
-                    "%s: %s was called with an input other than the gathered input of its "
-                    "parent, so it runs on its own (no shared gather)",
-                    _COLWISE,
-                    name,
-                )
-            return self.style._forward(linear, x, self.mesh, name)
 
-        return forward
+def _gathered_forward(parent: nn.Module, *args, **kwargs):
+    """The parent's forward: the shared gather, the parent's own forward on the gathered input, release."""
+    shared: SharedGather = getattr(parent, _SHARED_GATHER)
+    args, kwargs = shared.gather_and_multiply(parent, args, kwargs)
+    try:
+        return shared.parent_forward(*args, **kwargs)
+    finally:
+        shared.release()
+
+
+def _sibling_forward(linear: nn.Linear, x):
+    shared, name = getattr(linear, _SIBLING)
+    return shared.sibling_forward(linear, name, x)
 
 
 class _CountReplicatedGradOnce(torch.autograd.Function):

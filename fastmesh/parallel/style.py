@@ -279,9 +279,8 @@ class FusedColwiseParallel(ParallelStyle):
                 f"{_COLWISE}: linears= names sibling linears of a parent module, but it was applied to an "
                 "nn.Linear; apply FusedColwiseParallel() to the linear itself"
             )
-        shared = SharedGather(self, device_mesh, module)
         # A wrapped forward, not forward hooks: see docs/design/tp-styles.md (pytorch/pytorch#172556).
-        module.forward = types.MethodType(shared.wrap_forward(module.forward), module)
+        SharedGather(self, device_mesh, module)
         return module
 
     def __repr__(self) -> str:
