@@ -37,7 +37,7 @@ import torch
 
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
-from fastmesh.ops import _dtensor, chunked_gather, plans, traced_unfused
+from fastmesh.ops import _dtensor, autocast, chunked_gather, plans, traced_unfused
 from fastmesh.ops._checks import MATMUL_DTYPES, check_tensor, wrap_dim
 from fastmesh.ops._collectives import all_gather
 from fastmesh.ops._fp8_operands import check_config
@@ -342,6 +342,7 @@ def all_gather_matmul(
             f"{list(bs.shape)}; pass [b] for one"
         )
     pieces = resolve_pieces(pieces, chunks, "fastmesh.all_gather_matmul")
+    a_shard, bs = autocast.cast(a_shard), autocast.cast(list(bs))
     if _dtensor.is_dtensor(a_shard) or any(_dtensor.is_dtensor(b) for b in bs):
         return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, pieces, fp8)
     name = _group_name_of(group)
@@ -403,6 +404,7 @@ def matmul_reduce_scatter(
         >>> y_shard = fastmesh.matmul_reduce_scatter(h, w2_t_shard, scatter_dim=0, group=mesh["tp"])
     """
     pieces = resolve_pieces(pieces, chunks, "fastmesh.matmul_reduce_scatter")
+    a, b = autocast.cast((a, b))
     if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
         return _dtensor.matmul_reduce_scatter(matmul_reduce_scatter, a, b, scatter_dim, group, reduce_op, pieces, fp8)
     name = _group_name_of(group)

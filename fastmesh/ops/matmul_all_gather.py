@@ -31,7 +31,7 @@ import torch
 
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
-from fastmesh.ops import _dtensor, plans, traced_unfused
+from fastmesh.ops import _dtensor, autocast, plans, traced_unfused
 from fastmesh.ops._fused_common import (
     as_matrix,
     check_matmul_operands,
@@ -147,6 +147,7 @@ def matmul_all_gather(a: torch.Tensor, b: torch.Tensor, *, group=None, pieces: i
         >>> # xdoctest: +SKIP("needs a process group")
         >>> logits = fastmesh.matmul_all_gather(h, w_out_shard.t(), group=mesh["tp"])   # [B, S, vocab]
     """
+    a, b = autocast.cast((a, b))
     if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
         return _dtensor.matmul_all_gather(matmul_all_gather, a, b, group, pieces)
     name = _group_name_of(group)

@@ -31,7 +31,7 @@ import torch
 
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
-from fastmesh.ops import _dtensor, plans, traced_unfused
+from fastmesh.ops import _dtensor, autocast, plans, traced_unfused
 from fastmesh.ops._fp8_operands import (
     check_config,
     check_fp8_contraction,
@@ -236,6 +236,7 @@ def matmul_all_reduce(
         >>> y = fastmesh.matmul_all_reduce(h_shard, w2_t_shard, group=mesh["tp"])   # [B, S, D] on every rank
     """
     pieces = resolve_pieces(pieces, chunks, "fastmesh.matmul_all_reduce")
+    a, b = autocast.cast((a, b))
     if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
         return _dtensor.matmul_all_reduce(matmul_all_reduce, a, b, group, reduce_op, pieces, fp8)
     name = _group_name_of(group)

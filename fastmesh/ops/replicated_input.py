@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from fastmesh.ops import autocast
 from fastmesh.ops._fp8_operands import (
     check_fp8_contraction,
     dequantize,
@@ -132,6 +133,7 @@ def replicated_input_matmul(
 ) -> tuple[torch.Tensor, ...]:
     """``x @ w.T`` for each of this rank's weight rows ``w`` (module docstring); ``pieces``: the backward's (or the
     gathered output's) pipeline pieces, None for the op's plan per call."""
+    x, weights = autocast.cast(x), autocast.cast(list(weights))
     if fp8 is None:
         return _ReplicatedInputMatmul.apply(x, group_name, pieces, gathered, reduce_input_grad, *weights)
     if gathered:

@@ -47,7 +47,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fastmesh._log import log_once
 from fastmesh.mesh import group_name
-from fastmesh.ops import all_gather_matmul, matmul_all_gather, matmul_all_reduce, matmul_reduce_scatter
+from fastmesh.ops import all_gather_matmul, autocast, matmul_all_gather, matmul_all_reduce, matmul_reduce_scatter
 from fastmesh.ops._collectives import all_gather
 from fastmesh.ops.replicated_input import replicated_input_matmul
 from fastmesh.parallel._common import (
@@ -72,6 +72,11 @@ logger = logging.getLogger("fastmesh.parallel")
 
 _COLWISE = "FusedColwiseParallel"
 _ROWWISE = "FusedRowwiseParallel"
+
+
+def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """This rank's columns plus their bias; under autocast the bias in the product's dtype, as ``F.linear`` adds it."""
+    return out if bias is None else out + autocast.cast(bias)
 
 
 class FusedColwiseParallel(ParallelStyle):
@@ -210,7 +215,7 @@ class FusedColwiseParallel(ParallelStyle):
         results = []
         for (name, linear), out in zip(named_linears, outs):
             bias = local_parameter(linear, "bias", _COLWISE, name)
-            results.append(self._prepare_output_fn(out if bias is None else out + bias, mesh))
+            results.append(self._prepare_output_fn(_plus_bias(out, bias), mesh))
         return a, results
 
     def _gathered_output(self, out: torch.Tensor, mesh: DeviceMesh):
@@ -230,7 +235,7 @@ class FusedColwiseParallel(ParallelStyle):
         results = []
         for (name, linear), out in zip(named_linears, outs):
             bias = local_parameter(linear, "bias", _COLWISE, name)
-            results.append(self._prepare_output_fn(out if bias is None else out + bias, mesh))
+            results.append(self._prepare_output_fn(_plus_bias(out, bias), mesh))
         return results
 
     def _replicated_dtensor_matmul(self, linear: nn.Linear, x: DTensor):
@@ -246,7 +251,7 @@ class FusedColwiseParallel(ParallelStyle):
                 local, [weight], group_name(mesh), self.pieces, fp8=self.fp8, reduce_input_grad=False
             )
             bias = local_parameter(linear, "bias", _COLWISE, "the module")
-            return self._prepare_output_fn(out if bias is None else out + bias, mesh)
+            return self._prepare_output_fn(_plus_bias(out, bias), mesh)
         out = F.linear(x, linear.weight, linear.bias)
         if isinstance(self.output_layouts[0], Replicate):
             out = out.redistribute(x.device_mesh, [Replicate()])
@@ -368,7 +373,7 @@ class FusedRowwiseParallel(ParallelStyle):
         SequenceParallel."""
         if bias is None:
             return as_output(out, mesh, placement, self.use_local_output)
-        out = DTensor.from_local(out, mesh, [placement], run_check=False) + bias
+        out = DTensor.from_local(out, mesh, [placement], run_check=False) + autocast.cast(bias)
         return out.to_local() if self.use_local_output else out
 
     def _partition_linear_fn(self, linear: nn.Linear, mesh: DeviceMesh) -> None:

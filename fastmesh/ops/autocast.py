@@ -1,0 +1,65 @@
+"""Autocast: under ``torch.autocast`` the fused ops multiply in the region's dtype, as ``torch.mm`` and ``F.linear`` do.
+
+torch's matmuls are on autocast's lower-precision list: in an autocast region their floating-point inputs (float64
+excepted) are cast to the region's dtype (``torch.get_autocast_dtype(device)``), so their outputs have it. fastmesh
+follows the same rule in two places, sharing :func:`cast`:
+
+* the ops that take high-precision operands (``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce``,
+  ``matmul_all_gather``) get an Autocast kernel per device type, which casts and runs the op with autocast off
+  (what ``torch.library.register_autocast`` does, with the region's dtype rather than one fixed when registering);
+  the FP8 ops take FP8 data and an ``out_dtype`` and are left alone;
+* the Python fronts cast their operands first (their checks see the cast tensors, and the FP8 forms' autograd
+  Functions save and quantize them), and the TP styles cast a bias before adding it, as ``F.linear`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastmesh.ops._library import library, qualified_name
+
+# The ops whose operands are high-precision matrices (the others take FP8 data and scales, or no matmul operand).
+_MATMUL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_gather")
+_DEVICE_TYPES = ("cpu", "cuda", "xpu")
+
+
+def _cast_to(value, device_type: str, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        eligible = value.is_floating_point() and value.dtype != torch.float64 and value.device.type == device_type
+        return value.to(dtype) if eligible and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_to(v, device_type, dtype) for v in value)
+    return value
+
+
+def cast(value):
+    """``value`` (a tensor, or a list / tuple of them) as an autocast region casts a matmul's inputs; unchanged
+    outside one. A tensor's own device type says which region applies (none for devices without autocast, meta)."""
+    tensors = [value] if isinstance(value, torch.Tensor) else [t for t in value if isinstance(t, torch.Tensor)]
+    for device_type in {t.device.type for t in tensors}:
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            value = _cast_to(value, device_type, torch.get_autocast_dtype(device_type))
+    return value
+
+
+def _register(op_name: str, device_type: str) -> None:
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    dispatch_key = getattr(torch._C.DispatchKey, key)
+    op = getattr(torch.ops.fastmesh, op_name).default
+
+    def run(*args, **kwargs):
+        dtype = torch.get_autocast_dtype(device_type)
+        args = _cast_to(args, device_type, dtype)
+        kwargs = {name: _cast_to(v, device_type, dtype) for name, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(dispatch_key)):
+            return op(*args, **kwargs)
+
+    op.py_impl(dispatch_key)(run)  # the Python dispatcher's (tracing) path
+    library.impl(op_name, lambda _keys, *args, **kwargs: run(*args, **kwargs), key, with_keyset=True)
+
+
+for _op_name in _MATMUL_OPS:
+    qualified_name(_op_name)  # a typo fails at import
+    for _device_type in _DEVICE_TYPES:
+        if torch._C._is_autocast_available(_device_type):
+            _register(_op_name, _device_type)
