@@ -430,6 +430,39 @@ def test_sibling_linears_with_replicated_input_share_one_all_reduce(world_size):
 
 
 @on_ranks(2)
+def test_an_unused_sibling_output_leaves_its_weight_without_a_gradient():
+    """Plain TP, ``linears=``: a step whose loss does not use one linear's output (a branch not taken) leaves that
+    weight's gradient None, as under torch's ColwiseParallel, so an optimizer skips it (a zero gradient would
+    still move it by weight decay); the used linear's gradients equal torch's. High precision and FP8."""
+    mesh = _tp_mesh()
+    torch.manual_seed(0)
+    unsharded = _QK()
+    x = _randn((2, 6, 8), seed=6, dtype=torch.float64)
+    gq = _randn((2, 6, 4 // dist.get_world_size()), seed=8, dtype=torch.float64)
+    for fp8 in (None, Float8Config(granularity=FP8_GRANULARITY)):
+        runs = {}
+        for plan in ("native", "fastmesh"):
+            if plan == "native":
+                styles = {"wq": ColwiseParallel(), "wk": ColwiseParallel()}
+            else:
+                styles = FusedColwiseParallel(linears=("wq", "wk"), input_layouts=Replicate(), fp8=fp8)
+            dtype = torch.float64 if fp8 is None else torch.float32  # FP8 casts take float32 at most
+            qk = parallelize_module(copy.deepcopy(unsharded).to(dtype), mesh, styles)
+            xs = x.to(dtype, copy=True).requires_grad_()
+            q, _, _ = qk(xs)
+            (q * gq.to(dtype)).sum().backward()
+            runs[plan] = (xs.grad, {n: p.grad for n, p in qk.named_parameters()})
+        (dx, grads), (want_dx, want_grads) = runs["fastmesh"], runs["native"]
+        assert want_grads["wk.weight"] is None and grads["wk.weight"] is None, (fp8, grads["wk.weight"])
+        if fp8 is None:
+            torch.testing.assert_close(dx, want_dx, rtol=1e-12, atol=1e-12)
+            want = _full(want_grads["wq.weight"])
+            torch.testing.assert_close(_full(grads["wq.weight"]), want, rtol=1e-12, atol=1e-12)
+        else:
+            assert dx is not None and grads["wq.weight"] is not None, fp8
+
+
+@on_ranks(2)
 def test_sibling_linears_dtensor_outputs_match_torchs_plan():
     """``linears=`` with ``use_local_output=False``: q and k leave as ``Shard(-1)`` DTensors (attention code that
     keeps the global head count), as after torch's PrepareModuleInput + ColwiseParallel(use_local_output=False);

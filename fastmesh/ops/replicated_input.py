@@ -51,10 +51,18 @@ _FRONT = "FusedColwiseParallel"
 
 
 def _concatenated(grads, weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[g_1 | g_2 ..]`` and ``[w_1; w_2 ..]``: sum_i g_i @ w_i as one product."""
+    """``[g_1 | g_2 ..]`` and ``[w_1; w_2 ..]``: sum_i g_i @ w_i as one product, over the outputs that have a
+    gradient (an output the loss does not use has none: its weight gets none, as under torch's ColwiseParallel)."""
+    used = [(g, w) for g, w in zip(grads, weights) if g is not None]
+    grads, weights = [g for g, _ in used], [w for _, w in used]
     grad = grads[0] if len(grads) == 1 else torch.cat(grads, dim=-1)
     weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
     return grad, weight
+
+
+def _weight_grads(grads, x_rows: torch.Tensor, needs) -> list:
+    """grad_w_i = g_i^T @ x for each weight that needs one and whose output has a gradient."""
+    return [as_matrix(g).t() @ x_rows if need and g is not None else None for g, need in zip(grads, needs)]
 
 
 def _input_grad(grads, weights, group: str, pieces: int | None, reduce: bool) -> torch.Tensor:
@@ -68,6 +76,7 @@ class _ReplicatedInputMatmul(torch.autograd.Function):
     def forward(ctx, x, group: str, pieces: int | None, gathered: bool, reduce_grad: bool, *weights: torch.Tensor):
         ctx.group, ctx.pieces, ctx.gathered, ctx.reduce_grad = group, pieces, gathered, reduce_grad
         ctx.save_for_backward(x, *weights)
+        ctx.set_materialize_grads(False)  # an unused output's weight gets no gradient (_concatenated)
         if gathered:  # every rank's columns, gathered while they are multiplied
             return tuple(matmul_all_gather(x, w.t(), group=group, pieces=pieces) for w in weights)
         return tuple(F.linear(x, w) for w in weights)
@@ -75,13 +84,14 @@ class _ReplicatedInputMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
+        if all(g is None for g in grads):
+            return (None,) * (5 + len(weights))
         if ctx.gathered:  # the replicated output's gradient: this rank's columns are its outputs'
-            grads = tuple(torch.ops.fastmesh.rank_columns(g, ctx.group) for g in grads)
+            grads = tuple(None if g is None else torch.ops.fastmesh.rank_columns(g, ctx.group) for g in grads)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = _input_grad(grads, weights, ctx.group, ctx.pieces, ctx.reduce_grad)
-        x_rows = as_matrix(x)
-        grad_ws = [as_matrix(g).t() @ x_rows if needed else None for g, needed in zip(grads, ctx.needs_input_grad[5:])]
+        grad_ws = _weight_grads(grads, as_matrix(x), ctx.needs_input_grad[5:])
         return (grad_x, None, None, None, None, *grad_ws)
 
 
@@ -96,11 +106,14 @@ class _Float8ReplicatedInputMatmul(torch.autograd.Function):
         ctx.group, ctx.pieces, ctx.reduce_grad, ctx.dtype = group, pieces, reduce_grad, x.dtype
         ctx.config, ctx.dgrad_in_fp8 = config, dgrad_in_fp8
         ctx.save_for_backward(x_data, x_scale, *weights)
+        ctx.set_materialize_grads(False)  # an unused output's weight gets no gradient (_concatenated)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         x_data, x_scale, *weights = ctx.saved_tensors
+        if all(g is None for g in grads):
+            return (None,) * (6 + len(weights))
         grad_x = None
         if ctx.needs_input_grad[0] and not ctx.dgrad_in_fp8:
             grad_x = _input_grad(grads, weights, ctx.group, ctx.pieces, ctx.reduce_grad)
@@ -117,8 +130,7 @@ class _Float8ReplicatedInputMatmul(torch.autograd.Function):
                 grad_x = torch.ops.fastmesh.scaled_matmul(g_data, g_scale, w_data, w_scale, ctx.dtype)
         grad_ws = [None] * len(weights)
         if any(ctx.needs_input_grad[6:]):
-            x_rows = as_matrix(dequantize(x_data, x_scale, ctx.dtype))
-            grad_ws = [as_matrix(g).t() @ x_rows if need else None for g, need in zip(grads, ctx.needs_input_grad[6:])]
+            grad_ws = _weight_grads(grads, as_matrix(dequantize(x_data, x_scale, ctx.dtype)), ctx.needs_input_grad[6:])
         return (grad_x, None, None, None, None, None, *grad_ws)
 
 
