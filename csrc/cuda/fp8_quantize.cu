@@ -118,11 +118,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int64_t kStep = static_cast<int64_t>(kThreads) * kUnroll;
   for (int64_t base = blockIdx.x * kStep; base < num_vectors; base += gridDim.x * kStep) {
     uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      v[u] = i < num_vectors ? __ldg(vectors + i) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    load_step(vectors, base, num_vectors, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads + threadIdx.x;

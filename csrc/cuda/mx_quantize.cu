@@ -105,11 +105,7 @@ __global__ void __launch_bounds__(kThreads) mx_flat_kernel(const scalar_t* __res
   // The loop bound is the same for every thread of a block, so whole warps take part in each shuffle.
   for (int64_t base = blockIdx.x * kStep; base < num_vectors; base += gridDim.x * kStep) {
     uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      v[u] = i < num_vectors ? __ldg(vectors + i) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    load_step(vectors, base, num_vectors, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads + threadIdx.x;  // a block's lanes are all in range or all out

@@ -159,6 +159,17 @@ __device__ __forceinline__ typename Lanes<scalar_t>::fp8_pack_t cast_vector(
 // Reductions of fp32 bits (non-negative: max_bits is the numeric max, NaN above inf).
 // ---------------------------------------------------------------------------------------------------
 
+// This thread's kUnroll vectors of the grid-stride step at `base` (zeros past num_vectors), all loaded before any
+// is used; vector u of the step is base + u * kThreads + threadIdx.x.
+__device__ __forceinline__ void load_step(const uint4* __restrict__ vectors, int64_t base, int64_t num_vectors,
+                                          uint4 (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + u * kThreads + threadIdx.x;
+    v[u] = i < num_vectors ? __ldg(vectors + i) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // Max over each aligned group of `width` lanes (a power of two <= 32); every lane gets its group's.
 __device__ __forceinline__ uint32_t lanes_max(uint32_t value, int width) {
   for (int offset = width / 2; offset > 0; offset /= 2) {
