@@ -293,6 +293,16 @@ def test_errors(overrides, error, message):
         )
 
 
+def test_front_errors_name_the_argument():
+    """What only the front sees: the granularities it takes (MX included), and a scale that is no tensor."""
+    x = torch.zeros(4, 64)
+    known = r"'tensorwise', 'rowwise', 'block1x128', 'block128x128', 'mx'"
+    with pytest.raises(ValueError, match=rf"granularity must be one of {known}, got 'row'"):
+        fastmesh.fp8.quantize(x, dtype=E4M3, granularity="row")
+    with pytest.raises(TypeError, match=r"scale must be a float32 tensor in the scale layout .*got float"):
+        fastmesh.fp8.quantize(x, dtype=E4M3, granularity="tensorwise", scale=0.01)
+
+
 def test_native_kernel_checks_bypassing_python():
     # fp8_quantize_native is internal, but its C++ checks must still stop out-of-bounds reads.
     native = torch.ops.fastmesh.fp8_quantize_native

@@ -313,6 +313,14 @@ def test_fp8_bad_inputs():
             ValueError,
             r"fp8 granularity must be one of 'tensorwise', 'rowwise', 'mx', 'block1x128'",
         ),
+        (
+            lambda: fastmesh.matmul_reduce_scatter(
+                torch.randn(4, 8, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 0, fp8=Float8Config()
+            ),
+            TypeError,
+            r"fastmesh.matmul_reduce_scatter: fp8= quantizes operands of dtype torch.float32, torch.bfloat16, "
+            r"torch.float16, got torch.float64",
+        ),
     ]
     if not ROWWISE_ON_CPU:
         cases.append(

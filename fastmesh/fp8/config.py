@@ -23,7 +23,9 @@ class Float8Config:
             blocks of 32 along the contraction dim, E8M0 scales). The fused ops and TP styles take
             ``"tensorwise"``, ``"rowwise"``, ``"mx"`` and ``"block1x128"`` (weights then in 128x128 blocks).
         scaling: ``"current"`` (scale from this tensor's amax, every call) or ``"delayed"`` (scale from an
-            amax history, :class:`fastmesh.fp8.DelayedScaling`; tensorwise only).
+            amax history, :class:`fastmesh.fp8.DelayedScaling`; tensorwise only). The fused ops' and the TP
+            styles' ``fp8=`` take ``"current"``; delayed scaling is for your own ``quantize`` calls and the
+            ``torch.ops.fastmesh`` scaled ops.
         power_of_two: round scales down to powers of two (not with ``"mx"``, whose scales are powers of two).
         scale_rounding: ``"mx"`` only: ``"floor"`` (the OCP spec's rule, the default) or ``"rceil"``.
         backward_in_fp8: run the backward matmuls in FP8 (``grad_dtype``) rather than high precision.

@@ -33,7 +33,7 @@ import torch
 
 from fastmesh import _cpp_lib
 from fastmesh._log import log_once
-from fastmesh.ops._checks import FP8_DTYPES, MX, MX_BLOCK, check_tensor
+from fastmesh.ops._checks import FLOAT_INPUTS, FP8_DTYPES, MX, MX_BLOCK, check_tensor
 from fastmesh.ops.fp8_quantize import quantize
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
 logger = logging.getLogger(__name__)
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The fronts' fp8= granularities: a's and b's quantization for each (b per output column).
+# The fronts' fp8= granularities: a's and b's quantization for each (b along its output columns).
 GRANULARITIES = ("tensorwise", "rowwise", "mx", "block1x128")
 _B_GRANULARITY = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mx": "mx", "block1x128": "block128x128"}
 E8M0 = torch.float8_e8m0fnu
@@ -172,8 +172,9 @@ def log_multiply(op: str, a_dtype, b: torch.Tensor, layouts: tuple[str, str], ou
 # ---- the fronts' fp8= option ----
 
 
-def check_config(config, op: str) -> Float8Config:
-    """``fp8=``: a ``Float8Config`` of current scaling, granularity one of ``GRANULARITIES``."""
+def check_config(config, op: str, dtype: torch.dtype | None = None) -> Float8Config:
+    """``fp8=``: a ``Float8Config`` of current scaling, granularity one of ``GRANULARITIES``; ``dtype`` (the
+    operands', where known) one FP8 casts from."""
     from fastmesh.fp8.config import Float8Config
 
     if not isinstance(config, Float8Config):
@@ -181,7 +182,12 @@ def check_config(config, op: str) -> Float8Config:
     if config.granularity not in GRANULARITIES:
         raise ValueError(
             f"{op}: fp8 granularity must be one of {', '.join(map(repr, GRANULARITIES))} (a's quantization; b is "
-            f"quantized per output column, or 128x128 for 'block1x128'), got {config.granularity!r}"
+            f"quantized alike along its output columns, or 128x128 for 'block1x128'), got {config.granularity!r}"
+        )
+    if dtype is not None and dtype not in FLOAT_INPUTS:
+        raise TypeError(
+            f"{op}: fp8= quantizes operands of dtype {', '.join(map(str, FLOAT_INPUTS))}, got {dtype}; "
+            "leave fp8 out to multiply in that dtype"
         )
     if config.scaling != "current":
         raise ValueError(
@@ -229,7 +235,8 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype, config: Float8Config):
 
 
 def quantize_columns(b: torch.Tensor, dtype: torch.dtype, config: Float8Config):
-    """b ([K, N]) quantized per output column (MX: blocks of 32 along K; 'block1x128': 128x128 blocks):
+    """b ([K, N]) quantized along its output columns (tensor-wise: one scale; row-wise: one per column; MX: blocks
+    of 32 along K; 'block1x128': 128x128 blocks):
     column-major data and b's scale layout (``[]``, ``[1, N]``, ``[K/32, N]``, ``[ceil(K/128), ceil(N/128)]``),
     the layout _scaled_mm takes for its second operand where it takes one."""
     data, scale = _quantize(b.t(), dtype, _B_GRANULARITY[config.granularity], config)

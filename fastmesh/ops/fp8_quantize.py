@@ -38,6 +38,7 @@ from fastmesh.mesh import group_name
 from fastmesh.ops import _collectives
 from fastmesh.ops._checks import (
     FLOAT_INPUTS,
+    GRANULARITIES,
     MX,
     check_fp8_dtype,
     check_granularity,
@@ -234,6 +235,14 @@ def quantize(
         >>> y = torch._scaled_mm(qx.data, qw.data.t(), qx.scale, qw.scale.t(), out_dtype=torch.bfloat16)
     """
     op = "fastmesh.fp8.quantize"
+    if granularity not in (*GRANULARITIES, MX):
+        known = ", ".join(map(repr, (*GRANULARITIES, MX)))
+        raise ValueError(f"{op}: granularity must be one of {known}, got {granularity!r}")
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        raise TypeError(
+            f"{op}: scale must be a float32 tensor in the scale layout (0-d for 'tensorwise'), got "
+            f"{type(scale).__name__}"
+        )
     if granularity == MX:
         given = {"scale": scale is not None, "amax_group": amax_group is not None, "power_of_two": power_of_two}
         for arg in (arg for arg, is_given in given.items() if is_given):

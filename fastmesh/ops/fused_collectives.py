@@ -352,9 +352,8 @@ def all_gather_matmul(
         _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces)
     _cpp_lib.require()
     if fp8 is not None:
-        return all_gather_matmul_fp8(
-            a_shard, bs, gather_dim, name, return_a, pieces, check_config(fp8, "fastmesh.all_gather_matmul")
-        )
+        config = check_config(fp8, "fastmesh.all_gather_matmul", a_shard.dtype)
+        return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, pieces, config)
     # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
     want_a = return_a or (torch.is_grad_enabled() and any(b.requires_grad for b in bs))
     a_full, outs = torch.ops.fastmesh.all_gather_matmul(a_shard, bs, gather_dim, name, want_a, pieces)
@@ -414,6 +413,6 @@ def matmul_reduce_scatter(
     _cpp_lib.require()
     if fp8 is not None:
         return matmul_reduce_scatter_fp8(
-            a, b, scatter_dim, name, reduce_op, pieces, check_config(fp8, "fastmesh.matmul_reduce_scatter")
+            a, b, scatter_dim, name, reduce_op, pieces, check_config(fp8, "fastmesh.matmul_reduce_scatter", a.dtype)
         )
     return torch.ops.fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, name, pieces)

@@ -24,7 +24,7 @@ either operand, they dequantize both operands to ``out_dtype`` and multiply thos
 which once in the log.
 
 Autograd: the ops take quantized data and have none. The fronts' ``fp8=Float8Config(...)`` (current scaling;
-tensor-wise, row-wise, MX or block1x128) quantizes the inputs (each b per output column; 128x128 for
+tensor-wise, row-wise, MX or block1x128) quantizes the inputs (each b alike along its output columns; 128x128 for
 block1x128) and calls these ops. Its backward runs the dgrad through the other fused op, in FP8 (``grad_dtype``)
 when ``backward_in_fp8``, else in the input dtype (always for a reduce-scatter of the last dim: its dgrad would
 gather the contraction dim), and the wgrad in the input dtype from the saved FP8 activation. Errors as for the

@@ -175,7 +175,7 @@ torch.library.register_autograd(qualified_name("matmul_all_reduce"), _backward, 
 
 
 class _Float8MatmulAllReduce(torch.autograd.Function):
-    """The front's ``fp8=`` path: a quantized per its rows, b per output column (``quantize_rows`` /
+    """The front's ``fp8=`` path: a quantized along its rows, b alike along its output columns (``quantize_rows`` /
     ``quantize_columns``); backward as the high-precision op's (local, in the input dtype: no transfer to
     shrink)."""
 
@@ -246,6 +246,6 @@ def matmul_all_reduce(
         _check_matmul_all_reduce(a, b, reduce_op, pieces)
     _cpp_lib.require()
     if fp8 is not None:
-        config = check_config(fp8, "fastmesh.matmul_all_reduce")
+        config = check_config(fp8, "fastmesh.matmul_all_reduce", a.dtype)
         return _Float8MatmulAllReduce.apply(config, name, reduce_op, pieces, a, b)
     return torch.ops.fastmesh.matmul_all_reduce(a, b, reduce_op, name, pieces)
