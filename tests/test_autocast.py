@@ -14,10 +14,13 @@ import copy
 import torch
 import torch.distributed as dist
 from rank_pool import on_ranks
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from tp_models import LinearPair
 
 import fastmesh
 from fastmesh.fp8 import Float8Config
+from fastmesh.parallel import FusedColwiseParallel, FusedRowwiseParallel
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
 
 REGION_DTYPES = (torch.bfloat16, torch.float16)
@@ -103,6 +106,16 @@ def test_compiled_front_under_autocast_equals_eager():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _assert_as_accurate(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """``got`` (fastmesh under autocast) is about as far from the float64 result as ``want`` (torch's plan under the
+    same region): the two differ in summation order and in where partial sums are rounded to bfloat16, so neither
+    is closer to the other than to the exact result; a wrong or missing term would be off by far more."""
+    exact = exact.double()
+    error, want_error = ((t.double() - exact).abs().max().item() for t in (got, want))
+    bound = 3 * want_error + 1e-6 * exact.abs().max().item()
+    assert error <= bound, f"{what}: max error {error:.3g} against torch's {want_error:.3g}"
+
+
 def _block_run(block, x, rope, grad_out):
     """(output, input gradient, full parameter gradients, {sub-block: its output's dtype})."""
     x = x.clone().requires_grad_()
@@ -117,7 +130,7 @@ def _block_run(block, x, rope, grad_out):
     grads = {}
     for name, parameter in block.named_parameters():
         grad = parameter.grad
-        grads[name] = grad.full_tensor() if isinstance(grad, torch.distributed.tensor.DTensor) else grad
+        grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
     return y.detach(), x.grad, grads, dtypes
 
 
@@ -134,6 +147,10 @@ def test_llama_block_under_autocast_matches_the_native_plan():
     x = torch.randn(batch, seq_len, args.dim, generator=torch.Generator().manual_seed(1))
     grad_out = torch.randn(batch, seq_len, args.dim, generator=torch.Generator().manual_seed(2))
     rope = rope_tables(seq_len, args.head_dim, args.rope_theta)
+    exact = copy.deepcopy(unsharded).double()
+    exact_x = x.double().requires_grad_()
+    (exact(exact_x, tuple(t.double() for t in rope)) * grad_out.double()).sum().backward()
+    exact_grads = {name: p.grad for name, p in exact.named_parameters()}
     for fused, native in (("fastmesh", "native"), ("fastmesh-plain", "native-plain")):
 
         def part(t, plan=fused):
@@ -146,11 +163,60 @@ def test_llama_block_under_autocast_matches_the_native_plan():
         (y, dx, grads, dtypes), (want_y, want_dx, want_grads, want_dtypes) = runs[fused], runs[native]
         assert dtypes == want_dtypes == {"attention": torch.bfloat16, "feed_forward": torch.bfloat16}, (fused, dtypes)
         assert y.dtype == want_y.dtype, f"{fused}: output {y.dtype}, {native}: {want_y.dtype}"  # the residual's
-        # Two bfloat16 runs that differ in summation order and in where sums are rounded to bfloat16.
-        tolerance = dict(rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(y, want_y, **tolerance, msg=lambda m: f"{fused}: output: {m}")
-        torch.testing.assert_close(dx, want_dx, **tolerance, msg=lambda m: f"{fused}: grad x: {m}")
-        assert grads.keys() == want_grads.keys()
+        exact_y = part(exact(x.double(), tuple(t.double() for t in rope)).detach())
+        _assert_as_accurate(y, want_y, exact_y, f"{fused}: output")
+        _assert_as_accurate(dx, want_dx, part(exact_x.grad), f"{fused}: grad x")
+        assert grads.keys() == want_grads.keys() == exact_grads.keys()
         for name, grad in grads.items():
             assert grad.dtype == want_grads[name].dtype == torch.float32, name
-            torch.testing.assert_close(grad, want_grads[name], **tolerance, msg=lambda m: f"{fused}: grad {name}: {m}")
+            _assert_as_accurate(grad, want_grads[name], exact_grads[name], f"{fused}: grad {name}")
+
+
+@on_ranks(2)
+def test_biased_linears_under_autocast_match_torchs_styles():
+    """Biases are added in the product's dtype, as F.linear adds them under autocast: a biased colwise -> rowwise
+    pair gives torch's output dtype and values, sequence-parallel and plain."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    unsharded = LinearPair(16, 32, torch.float32)
+    x = torch.randn(2, 4 * world, 16, generator=torch.Generator().manual_seed(1))
+    plans = {
+        "sequence-parallel": (
+            {"up": ColwiseParallel(input_layouts=Shard(1)), "down": RowwiseParallel(output_layouts=Shard(1))},
+            {"up": FusedColwiseParallel(), "down": FusedRowwiseParallel()},
+            x.chunk(world, 1)[rank],
+        ),
+        "plain": (
+            {"up": ColwiseParallel(), "down": RowwiseParallel()},
+            {
+                "up": FusedColwiseParallel(input_layouts=Replicate()),
+                "down": FusedRowwiseParallel(output_layouts=Replicate()),
+            },
+            x,
+        ),
+    }
+    exact = copy.deepcopy(unsharded).double()
+    exact_x = x.double().requires_grad_()
+    exact_y = exact(exact_x)
+    exact_y.pow(2).sum().backward()
+    for case, (native, fused, local_x) in plans.items():
+
+        def part(t, case=case):
+            return t if case == "plain" else t.chunk(world, 1)[rank]
+
+        runs = []
+        for plan in (native, fused):
+            pair = parallelize_module(copy.deepcopy(unsharded), mesh, plan)
+            xs = local_x.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = pair(xs)
+            y.float().pow(2).sum().backward()
+            grads = {n: p.grad.full_tensor() for n, p in pair.named_parameters()}
+            runs.append((y.detach(), xs.grad, grads))
+        (want_y, want_dx, want_grads), (y, dx, grads) = runs
+        assert y.dtype == want_y.dtype == torch.bfloat16, (case, y.dtype, want_y.dtype)
+        _assert_as_accurate(y, want_y, part(exact_y.detach()), f"{case}: output")
+        _assert_as_accurate(dx, want_dx, part(exact_x.grad), f"{case}: grad x")
+        for name, p in exact.named_parameters():
+            _assert_as_accurate(grads[name], want_grads[name], p.grad, f"{case}: grad {name}")
