@@ -1113,6 +1113,25 @@ def test_bad_plans_raise_clear_errors():
         lambda: rowwise(torch.randn(2, 3, 8 // world)),
     )
     colwise = apply(nn.Linear(8, 8), FusedColwiseParallel())
+    # Inputs whose features are not what the linear multiplies: said in the style's words, not the op's.
+    _raises(
+        ValueError,
+        "FusedColwiseParallel: the module's input has 6 features \\(the last dim of shape \\[2, 4, 6\\]\\), "
+        "expected 8 \\(its in_features\\)",
+        lambda: colwise(torch.randn(2, 4, 6)),
+    )
+    _raises(
+        ValueError,
+        f"FusedRowwiseParallel: the module's input has 8 features .*expected {8 // world} per rank \\(in_features 8 "
+        f"/ TP degree {world}",
+        lambda: rowwise(torch.randn(2, 4, 8)),
+    )
+    shared = apply(_QK(), FusedColwiseParallel(linears=("wq", "wk")))
+    _raises(
+        ValueError,
+        "FusedColwiseParallel: _QK's input has 6 features .*expected 8 \\(the in_features of \\('wq', 'wk'\\)\\)",
+        lambda: shared(torch.randn(2, 4, 6, dtype=torch.float64)),
+    )
     uneven = DTensor.from_local(
         torch.randn(2, 2 if dist.get_rank() == 0 else 1, 8),
         mesh,

@@ -58,6 +58,16 @@ def check_linear_names(linears, style: str) -> tuple[str, ...] | None:
     return names
 
 
+def check_input_features(x: torch.Tensor, features: int, style: str, what: str, per_rank: str = "") -> None:
+    """The input's last dim is what the linear multiplies: ``features`` (``per_rank``: how that is this rank's
+    part, for a column-sharded input), named in the style's words rather than the fused op's."""
+    if x.shape[-1] != features:
+        raise ValueError(
+            f"{style}: {what}'s input has {x.shape[-1]} features (the last dim of shape {list(x.shape)}), expected "
+            f"{features}{per_rank}"
+        )
+
+
 def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_features: str, fp8) -> nn.Linear:
     """``module`` is an ``nn.Linear`` whose ``sharded_features`` divide by the TP degree and whose dtype the
     fp8 config (if any) can serve."""

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from fastmesh._log import log_once
-from fastmesh.parallel._common import check_linear
+from fastmesh.parallel._common import check_input_features, check_linear
 
 logger = logging.getLogger("fastmesh.parallel")
 
@@ -94,6 +94,8 @@ class SharedGather:
                 "first positional argument"
             )
         x, placement = self.style._prepare_input_fn(args[0], self.mesh)
+        linears = f" (the in_features of {self.style.linears})"
+        check_input_features(x, self.named_linears[0][1].in_features, _COLWISE, type(parent).__name__, linears)
         if isinstance(x, DTensor):  # a Replicate() DTensor: each linear runs as torch's ColwiseParallel
             return (x, *args[1:]), kwargs
         if isinstance(placement, Replicate):

@@ -53,6 +53,7 @@ from fastmesh.ops.replicated_input import replicated_input_matmul
 from fastmesh.parallel._common import (
     as_output,
     check_fp8,
+    check_input_features,
     check_linear,
     check_linear_names,
     check_mesh,
@@ -260,6 +261,7 @@ class FusedColwiseParallel(ParallelStyle):
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh, what: str):
         """The forward of a linear under this style (``what`` names it in errors)."""
         x, placement = self._prepare_input_fn(x, mesh)
+        check_input_features(x, linear.in_features, _COLWISE, what, " (its in_features)")
         if isinstance(x, DTensor):
             return self._replicated_dtensor_matmul(linear, x)
         if isinstance(placement, Replicate):
@@ -382,6 +384,8 @@ class FusedRowwiseParallel(ParallelStyle):
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh):
         """The forward of a linear under this style."""
         x = self._prepare_input_fn(x, mesh)
+        per_rank = f" per rank (in_features {linear.in_features} / TP degree {mesh.size()}: a colwise output's columns)"
+        check_input_features(x, linear.in_features // mesh.size(), _ROWWISE, "the module", per_rank)
         weight = local_parameter(linear, "weight", _ROWWISE, "the module")
         if isinstance(self.output_layouts[0], Replicate):
             out = matmul_all_reduce(x, weight.t(), group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
