@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import pathlib
 import time
+import warnings
 
 import pytest
 import torch
@@ -347,6 +348,23 @@ def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
     with pytest.warns(UserWarning):
         PlanCache(str(path)).store("k", _entry(2))
     assert PlanCache(str(path)).lookup("k") == _entry(2)
+
+
+def test_unwritable_cache_warns_once_and_keeps_the_entry_in_the_process(tmp_path):
+    """A cache path that cannot be written (here its parent is a file; a directory or no permission alike) must not
+    fail the fused call that measured: one warning, and the process keeps what it measured."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    cache = PlanCache(str(blocker / "plans.json"))
+    with pytest.warns(UserWarning, match="could not write the plan cache .*kept in this process only"):
+        cache.store("k", _entry(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.store("j", _entry(2))
+    assert cache.lookup("k") == _entry(1) and cache.lookup("j") == _entry(2)
+    with pytest.warns(UserWarning) as record:  # a directory where the file should be: unreadable too
+        PlanCache(str(tmp_path)).store("k", _entry(1))
+    assert any("could not write the plan cache" in str(w.message) for w in record), [str(w.message) for w in record]
 
 
 def _store_many(path, prefix, count):

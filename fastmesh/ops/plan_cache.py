@@ -66,6 +66,7 @@ class PlanCache:
         self.section = section or fingerprint()
         self._loaded_stamp = None
         self._entries: dict = {}
+        self._write_failed = False
 
     def _read(self) -> dict:
         """The whole file as a dict; empty when missing, and when unreadable (with a warning)."""
@@ -109,7 +110,22 @@ class PlanCache:
         return self.entries().get(key)
 
     def store(self, key: str, entry: dict) -> None:
-        """Adds or replaces one entry, merged with whatever other writers stored meanwhile."""
+        """Adds or replaces one entry, merged with whatever other writers stored meanwhile. A file that cannot be
+        written (a directory, no permission) costs a warning, once, not the call: the entry then lives in this
+        process only, and other processes measure again."""
+        self._entries[key] = entry
+        try:
+            self._write(key, entry)
+        except OSError as error:
+            if not self._write_failed:
+                self._write_failed = True
+                warnings.warn(
+                    f"fastmesh: could not write the plan cache {self.path} ({type(error).__name__}: {error}); "
+                    "measured plans are kept in this process only",
+                    stacklevel=3,
+                )
+
+    def _write(self, key: str, entry: dict) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         with open(self.path + ".lock", "a") as lock:
@@ -126,4 +142,3 @@ class PlanCache:
                 with contextlib.suppress(OSError):
                     os.unlink(temporary)
                 raise
-        self._entries[key] = entry
