@@ -182,8 +182,10 @@ def parse_spec(spec: str, world: int = 2, family: str = "fused_collectives") -> 
     ndim = len(parsed.shape)
     if parsed.pieces < 0:
         raise ValueError(f"{family} case {spec!r}: PIECES must be >= 0 (0: the op's automatic count)")
-    if ndim < 2 or not -ndim <= parsed.dim < ndim or min(parsed.shape + parsed.ns) <= 0:
+    if ndim < 2 or not -ndim <= parsed.dim < ndim or min(parsed.shape) <= 0:
         raise ValueError(f"{family} case {spec!r}: the shape needs >= 2 positive dims and dim in [{-ndim}, {ndim})")
+    if min(parsed.ns) <= 0:
+        raise ValueError(f"{family} case {spec!r}: every N must be >= 1, got {','.join(map(str, parsed.ns))}")
     if not kind.MANY_BS and len(parsed.ns) != 1:
         raise ValueError(f"{family} case {spec!r}: {parsed.op} takes one b")
     problem = kind.spec_problem(parsed, world)

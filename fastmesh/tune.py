@@ -170,6 +170,21 @@ def _block_config(args, parser) -> BlockConfig | None:
         parser.error(f"--dim {block.dim} must be divisible by --heads {block.heads} (head dim = dim / heads)")
     if block.heads % block.kv_heads:
         parser.error(f"--heads {block.heads} must be a multiple of --kv-heads {block.kv_heads}")
+    if args.fp8 == "mx":  # the styles' MX rules (fastmesh/parallel/_common.py, _fp8_operands.check_fp8_contraction)
+        head_dim = block.dim // block.heads
+        contractions = {
+            "--dim": block.dim,
+            "--dim / --world": block.dim // world,
+            "--hidden / --world": block.hidden // world,
+            "the q, k and v columns per rank": (block.heads + 2 * block.kv_heads) * head_dim // world,
+            "the w1 and w3 columns per rank": 2 * block.hidden // world,
+        }
+        bad = [f"{name} = {value}" for name, value in contractions.items() if value % 32]
+        if bad:
+            parser.error(
+                f"--fp8 mx runs blocks of 32 along every contraction of the block (forward and FP8 backward), "
+                f"but {', '.join(bad)}: pick sizes that 32 divides"
+            )
     return block
 
 
@@ -289,15 +304,18 @@ class _Recorder(TorchDispatchMode):
         latest = plans.last_decision(op) if op.startswith("fastmesh::") else None
         if latest is not None:
             named = dict(zip((argument.name for argument in func._schema.arguments), args), **(kwargs or {}))
-            self.rows.append(Row(self.where, op, _describe_call(named), *latest))
+            self.rows.append(Row(self.where, op, _describe_call(op, named), *latest))
         return out
 
 
-def _describe_call(named: dict) -> str:
+def _describe_call(op: str, named: dict) -> str:
     if "bs" in named:
         ns = ",".join(str(b.shape[1]) for b in named["bs"])
         return f"a_shard {list(named['a_shard'].shape)} gather_dim {named['gather_dim']} -> N {ns}"
-    where = f" scatter_dim {named['scatter_dim']}" if "scatter_dim" in named else " all-reduced"
+    if "scatter_dim" in named:
+        where = f" scatter_dim {named['scatter_dim']}"
+    else:  # matmul_all_reduce / matmul_all_gather: the whole product moves
+        where = " all-gathered" if op == "fastmesh::matmul_all_gather" else " all-reduced"
     return f"a {list(named['a'].shape)} @ b {list(named['b'].shape)}{where}"
 
 

@@ -134,6 +134,8 @@ def test_tune_block_measures_then_reports_cached(tmp_path):
         (["--tokens", "32", "--heads", "8", "--kv-heads", "3"], "--kv-heads 3 must be divisible by --world 2"),
         (["--tokens", "32", "--hidden", "0"], "--hidden must be >= 1, got 0"),
         (["--case", "rs:3x64:0:64"], "must be divisible by the 2 ranks"),
+        (["--case", "rs:64x32:0:-16"], "every N must be >= 1, got -16"),
+        (["--tokens", "16", "--fp8", "mx"], "(forward and FP8 backward), but --hidden / --world = 48: pick sizes"),
         (["--case", "ag:64x64:0:32:4"], "a piece count (:4) fixes the plan"),
         (["--case", "ag:64x64:-1:32", "--fp8", "rowwise"], "the FP8 form gathers rows"),
         (["--world", "1", "--tokens", "32"], "--world must be >= 2"),
