@@ -100,10 +100,12 @@ def write_json(path: str, meta: dict, families: dict, skipped: dict) -> str:
     return path
 
 
-def write_markdown(path: str, meta: dict, families: dict) -> str:
-    """The machine lines, then each family's markdown table and notes."""
+def write_markdown(path: str, meta: dict, families: dict, skipped: dict) -> str:
+    """The machine lines, the families not run and why, then each family's markdown table and notes."""
     with open(path, "w") as f:
         f.write("\n".join(summary_lines(meta)) + "\n")
+        for name, reason in skipped.items():
+            f.write(f"\n{name}: not run: {reason}\n")
         for name, result in families.items():
             if result["rows"]:
                 f.write(

@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan(args, parser, device_type: str, world: int) -> Plan:
-    repeats = args.repeats or (QUICK_REPEATS if args.quick else FULL_REPEATS)
+    repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if args.quick else FULL_REPEATS)
     warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else FULL_WARMUP)
     if repeats < 2:
         parser.error("--repeats must be at least 2 (the spread needs two samples)")
@@ -237,16 +237,31 @@ def main(argv: list[str] | None = None) -> int:
         world = args.world or (torch.cuda.device_count() if device_type == "cuda" else 2)
         local_world = world
     plan = _plan(args, parser, device_type, world)
+    try:  # before any timing: a run whose results cannot be written is lost
+        os.makedirs(args.out, exist_ok=True)
+        if not os.access(args.out, os.W_OK):
+            raise PermissionError(f"{args.out} is not writable")
+    except OSError as error:
+        parser.error(f"--out {args.out}: {error}")
     leader = rank == 0
     cores = machine.cores()
     allocator = launch.keep_freed_memory()
     meta = machine.describe(["fastmesh", "bench", *argv])
     local = [n for n in plan.families if not FAMILIES[n].distributed]
     distributed = _distributed_names(plan)
-    skipped = {}
-    if distributed and device_type == "cuda" and world < 2:
-        reason = f"needs two or more CUDA devices (one rank per GPU), found {world}"
-        skipped = {name: reason for name in distributed}
+    skipped = {
+        name: f"measures --dtype {' / '.join(FAMILIES[name].dtypes)}, none of which was asked for"
+        for name in plan.families
+        if not set(plan.dtypes) & set(FAMILIES[name].dtypes)
+    }
+    local = [n for n in local if n not in skipped]
+    distributed = [n for n in distributed if n not in skipped]
+    if distributed and world < 2:
+        if device_type == "cuda":
+            reason = f"needs two or more CUDA devices (one rank per GPU), found {world}"
+        else:
+            reason = "needs two or more ranks (one rank runs no collective): --world 1"
+        skipped.update({name: reason for name in distributed})
         distributed = []
     threads, warning = launch.threads_per_rank(local_world, cores, args.threads)
     local_threads = args.threads or cores
@@ -328,7 +343,7 @@ def _write_outputs(args, meta: dict, results: dict, skipped: dict, seconds: floa
         print()
     written = [
         report.write_json(os.path.join(args.out, "bench.json"), meta, results, skipped),
-        report.write_markdown(os.path.join(args.out, "bench.md"), meta, results),
+        report.write_markdown(os.path.join(args.out, "bench.md"), meta, results, skipped),
     ]
     missing = None if args.no_plots else plots.matplotlib_missing()
     if missing:
