@@ -647,6 +647,21 @@ def test_block_issues_exactly_the_native_plans_collectives():
     assert issued["backward"] == {torch.ops.fastmesh.matmul_all_reduce: 2}, issued
 
 
+@on_ranks(2)
+def test_whole_llama_under_every_plan_equals_the_unsharded_model():
+    """parallelize_llama with each of block_plan's plans, the plain ones too (embedding, norm and head kept
+    replicated): vocab-sharded logits equal to the unsharded model's."""
+    args = LlamaArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128, vocab_size=64)
+    torch.manual_seed(0)
+    unsharded = Llama(args)
+    tokens = torch.randint(0, args.vocab_size, (2, 8), generator=_seeded(3))
+    want = unsharded(tokens).detach()
+    for plan in ("native", "fastmesh", "native-plain", "fastmesh-plain"):
+        logits = parallelize_llama(copy.deepcopy(unsharded), _tp_mesh(), plan)(tokens)
+        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), (plan, logits)
+        torch.testing.assert_close(logits.full_tensor(), want, **TOLERANCE, msg=lambda m: f"{plan}: {m}")
+
+
 # ---- FP8 ----
 
 

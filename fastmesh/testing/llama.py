@@ -227,22 +227,20 @@ def block_plan(plan: str, fp8=None, pieces: int | None = None) -> dict:
 
 
 def parallelize_llama(model: Llama, tp_mesh: DeviceMesh, plan: str, fp8=None, pieces: int | None = None) -> Llama:
-    """Apply one of the two TP plans to the whole model, in place. Logits come out as a vocab-sharded DTensor
-    (use ``torch.distributed.tensor.parallel.loss_parallel`` for the loss)."""
-    head = (
-        ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
-        if plan == "native"
-        else FusedColwiseParallel(use_local_output=False, fp8=fp8, pieces=pieces)
-    )
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": head,
-        },
-    )
+    """Apply one of the TP plans of :func:`block_plan` to the whole model, in place. Sequence-parallel plans shard
+    the embedding's output and the final norm's input along the sequence; plain ones keep them replicated. Logits
+    come out as a vocab-sharded DTensor (use ``torch.distributed.tensor.parallel.loss_parallel`` for the loss)."""
+    layers = block_plan(plan, fp8, pieces)  # checks the plan's name and options first
+    plain = plan.endswith("-plain")
+    sequence = Replicate() if plain else Shard(1)
+    if plan.startswith("native"):
+        head = ColwiseParallel(input_layouts=sequence, use_local_output=False)
+    else:
+        head = FusedColwiseParallel(input_layouts=sequence, use_local_output=False, fp8=fp8, pieces=pieces)
+    outer = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence), "output": head}
+    if not plain:
+        outer["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, outer)
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, block_plan(plan, fp8, pieces))
+        parallelize_module(layer, tp_mesh, layers)
     return model
