@@ -347,7 +347,6 @@ def all_gather_matmul(
         return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, pieces, fp8)
     name = _group_name_of(group)
     pieces = 0 if pieces is None else pieces
-    bs = list(bs)
     if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
         _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces)
     _cpp_lib.require()

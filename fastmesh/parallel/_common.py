@@ -58,14 +58,23 @@ def check_linear_names(linears, style: str) -> tuple[str, ...] | None:
     return names
 
 
-def check_input_features(x: torch.Tensor, features: int, style: str, what: str, per_rank: str = "") -> None:
-    """The input's last dim is what the linear multiplies: ``features`` (``per_rank``: how that is this rank's
-    part, for a column-sharded input), named in the style's words rather than the fused op's."""
-    if x.shape[-1] != features:
-        raise ValueError(
-            f"{style}: {what}'s input has {x.shape[-1]} features (the last dim of shape {list(x.shape)}), expected "
-            f"{features}{per_rank}"
-        )
+def check_input_features(
+    x: torch.Tensor, in_features: int, style: str, what: str, tp: int = 1, linears: tuple | None = None
+) -> None:
+    """The input's last dim is what the linear multiplies, named in the style's words rather than the fused op's:
+    ``in_features``, or this rank's ``in_features / tp`` for a column-sharded input (``tp`` > 1); ``linears``: the
+    siblings of a shared gather, whose in_features it is. The message is built only for a mismatch."""
+    expected = in_features // tp
+    if x.shape[-1] == expected:
+        return
+    if tp > 1:
+        why = f" per rank (in_features {in_features} / TP degree {tp}: a colwise output's columns)"
+    else:
+        why = f" (the in_features of {linears})" if linears else " (its in_features)"
+    raise ValueError(
+        f"{style}: {what}'s input has {x.shape[-1]} features (the last dim of shape {list(x.shape)}), expected "
+        f"{expected}{why}"
+    )
 
 
 def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_features: str, fp8) -> nn.Linear:

@@ -94,8 +94,8 @@ class SharedGather:
                 "first positional argument"
             )
         x, placement = self.style._prepare_input_fn(args[0], self.mesh)
-        linears = f" (the in_features of {self.style.linears})"
-        check_input_features(x, self.named_linears[0][1].in_features, _COLWISE, type(parent).__name__, linears)
+        in_features = self.named_linears[0][1].in_features
+        check_input_features(x, in_features, _COLWISE, type(parent).__name__, linears=self.style.linears)
         if isinstance(x, DTensor):  # a Replicate() DTensor: each linear runs as torch's ColwiseParallel
             return (x, *args[1:]), kwargs
         if isinstance(placement, Replicate):

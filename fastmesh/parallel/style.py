@@ -261,7 +261,7 @@ class FusedColwiseParallel(ParallelStyle):
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh, what: str):
         """The forward of a linear under this style (``what`` names it in errors)."""
         x, placement = self._prepare_input_fn(x, mesh)
-        check_input_features(x, linear.in_features, _COLWISE, what, " (its in_features)")
+        check_input_features(x, linear.in_features, _COLWISE, what)
         if isinstance(x, DTensor):
             return self._replicated_dtensor_matmul(linear, x)
         if isinstance(placement, Replicate):
@@ -384,8 +384,7 @@ class FusedRowwiseParallel(ParallelStyle):
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh):
         """The forward of a linear under this style."""
         x = self._prepare_input_fn(x, mesh)
-        per_rank = f" per rank (in_features {linear.in_features} / TP degree {mesh.size()}: a colwise output's columns)"
-        check_input_features(x, linear.in_features // mesh.size(), _ROWWISE, "the module", per_rank)
+        check_input_features(x, linear.in_features, _ROWWISE, "the module", tp=mesh.size())
         weight = local_parameter(linear, "weight", _ROWWISE, "the module")
         if isinstance(self.output_layouts[0], Replicate):
             out = matmul_all_reduce(x, weight.t(), group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
