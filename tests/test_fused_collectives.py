@@ -490,6 +490,51 @@ def test_dtensor_inputs_give_dtensor_outputs():
     torch.testing.assert_close(out.full_tensor(), h @ w2)
 
 
+def _loss(tensors, seed: int) -> torch.Tensor:
+    """A loss of DTensors that every rank computes alike (on their full tensors), with integer weights."""
+    return sum((t.full_tensor() * small_ints(t.shape, t.dtype, seed + i)).sum() for i, t in enumerate(tensors))
+
+
+@on_ranks(2, 4)
+def test_dtensor_fronts_run_torchs_uneven_shards_with_torchs_gradients(world_size):
+    """Gathered and scattered dims the mesh size does not divide (torch's uneven shards; ranks without rows
+    among them) give torch's DTensor results, placements and local shards bit for bit (small integers), and the
+    inputs' gradients of torch's redistribute + matmul: replicated results, whose gradient every rank holds whole,
+    count it once."""
+    mesh = _tp_mesh()
+    for rows in (1, world_size + 1, 2 * world_size - 1, 2 * world_size):
+        for shape, dim in (((rows, 8), 0), ((2, rows, 8), 1), ((rows, 3, 8), 0)):
+            case = f"a {list(shape)} sharded along dim {dim} over {world_size} ranks"
+            x = small_ints(shape, torch.float32, seed=rows)
+            w_rep = small_ints((8, 5), torch.float32, seed=1)
+            w_col = distribute_tensor(small_ints((8, 2 * world_size), torch.float32, seed=2), mesh, [Shard(1)])
+            x_fm = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_()
+            got = fastmesh.all_gather_matmul(x_fm, [w_rep, w_col], dim, return_a=True)
+            got = [got[0], *got[1]]
+            x_torch = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_()
+            a = x_torch.redistribute(mesh, [Replicate()])
+            want = [a, a @ distribute_tensor(w_rep, mesh, [Replicate()]), a @ w_col]
+            for g, t in zip(got, want):
+                assert g.placements == t.placements and g.shape == t.shape, (case, g, t)
+                assert torch.equal(g.to_local(), t.to_local()), case
+            _loss(got, seed=3).backward()
+            _loss(want, seed=3).backward()
+            assert torch.equal(x_fm.grad.to_local(), x_torch.grad.to_local()), case
+
+            # Row-parallel: a's contraction sharded, the product reduce-scattered along dim.
+            h = small_ints((*shape[:-1], 4 * world_size), torch.float32, seed=4)
+            w2 = distribute_tensor(small_ints((4 * world_size, 6), torch.float32, seed=5), mesh, [Shard(0)])
+            h_fm = distribute_tensor(h, mesh, [Shard(-1)]).requires_grad_()
+            out = fastmesh.matmul_reduce_scatter(h_fm, w2, dim)
+            h_torch = distribute_tensor(h, mesh, [Shard(-1)]).requires_grad_()
+            out_torch = (h_torch @ w2).redistribute(mesh, [Shard(dim)])
+            assert out.placements == out_torch.placements and out.shape == out_torch.shape, case
+            assert torch.equal(out.to_local(), out_torch.to_local()), case
+            _loss([out], seed=6).backward()
+            _loss([out_torch], seed=6).backward()
+            assert torch.equal(h_fm.grad.to_local(), h_torch.grad.to_local()), case
+
+
 @on_ranks(2)
 def test_dtensor_placement_errors():
     mesh = _tp_mesh()
@@ -508,16 +553,23 @@ def test_dtensor_placement_errors():
             r"bs\[0\] must be placed Replicate\(\) or Shard\(1\), got Shard\(dim=0\)",
         ),
         (lambda: fastmesh.matmul_reduce_scatter(x, w, 0), ValueError, r"a must be placed Shard\(1\)"),
-        # Uneven shards ([3, 6] and [2, 6] of a [5, 6]) would reach gloo with different shapes on the two ranks
-        # (it aborts the process once the first call's shape check is behind): refused from the global shape.
+        # Uneven shards that are not torch's pieces ([2, 6] and [3, 6] of a [5, 6], where torch holds 3 then 2
+        # rows) cannot be padded into place: refused on every rank, before any collective.
         (
-            lambda: fastmesh.all_gather_matmul(uneven, [w], 0),
+            lambda: fastmesh.all_gather_matmul(not_torchs, [w], 0),
             ValueError,
-            r"a_shard is sharded unevenly: its global size 5 along gather_dim 0 is not divisible by the mesh size 2",
+            r"a_shard is sharded unevenly along dim 0 \(5 rows over 2 ranks\), so rank [01] must hold [32] of them "
+            r"\(torch.chunk's piece: 3 per rank, the last ranks fewer\), but holds [23]",
+        ),
+        (
+            lambda: fastmesh.all_gather_matmul(distribute_tensor(torch.randn(4, 5), mesh, [Shard(1)]), [w], 1),
+            ValueError,
+            r"a_shard is sharded unevenly along its last dim \(the contraction\): its global size 5 is not "
+            r"divisible by the mesh size 2",
         ),
     ]
-    uneven = DTensor.from_local(
-        torch.randn(3 - dist.get_rank(), 6), mesh, [Shard(0)], run_check=False, shape=torch.Size([5, 6]), stride=(6, 1)
+    not_torchs = DTensor.from_local(
+        torch.randn(2 + dist.get_rank(), 6), mesh, [Shard(0)], run_check=False, shape=torch.Size([5, 6]), stride=(6, 1)
     )
     for call, error, match in cases:
         with pytest.raises(error, match=match):

@@ -24,7 +24,7 @@ from log_capture import captured_log
 from rank_pool import on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -204,6 +204,169 @@ def test_linear_pair_small_integers_bit_exact(world_size):
             assert torch.equal(xs.grad, part(xr.grad)), case
             for name, grad in _full_grads(pair).items():
                 assert torch.equal(grad, dict(unsharded.named_parameters())[name].grad), f"{case}: grad {name}"
+
+
+# ---- sequence lengths the TP degree does not divide: torch's uneven shards ----
+
+
+def _uneven_lengths(world: int) -> tuple[int, ...]:
+    """Lengths the TP degree does not divide: one row, a short last shard, and (on 4 ranks) a rank without rows."""
+    return (1, world + 1, 2 * world - 1)
+
+
+def _torchs_piece(t: torch.Tensor, mesh, dim: int) -> torch.Tensor:
+    return distribute_tensor(t, mesh, [Shard(dim)]).to_local()
+
+
+@on_ranks(2, 4)
+def test_uneven_sequence_small_integers_bit_exact(world_size):
+    """A sequence-sharded DTensor of a length the TP degree does not divide (torch's uneven shards) through a
+    biased colwise -> rowwise pair, and through LM heads (the output's gather fused, or the input's): outputs in
+    torch's placements and pieces, equal to the unsharded module bit for bit, and so are all gradients."""
+    mesh = _tp_mesh()
+    unsharded = _integer_pair(12, 2 * world_size, torch.float32, seed=10)
+    heads = {"output's gather": nn.Linear(12, 6 * world_size, bias=False), "input's gather": nn.Linear(12, 8)}
+    for head in heads.values():
+        with torch.no_grad():
+            for i, p in enumerate(head.parameters()):
+                p.copy_(_small_ints(p.shape, 30 + i, -1, 2))
+    for rows, (seq_dim, batch) in itertools.product(_uneven_lengths(world_size), ((1, (2,)), (0, ()))):
+        shape = (*batch, rows, 12) if seq_dim == 1 else (rows, 12)
+        x = _small_ints(shape, 20, -1, 2)
+        for label, module, styles, placement in (
+            (
+                "pair",
+                unsharded,
+                {
+                    "up": FusedColwiseParallel(input_layouts=Shard(seq_dim)),
+                    "down": FusedRowwiseParallel(output_layouts=Shard(seq_dim), use_local_output=False),
+                },
+                Shard(seq_dim),
+            ),
+            *(
+                (f"LM head, {how}", head, FusedColwiseParallel(output_layouts=Replicate()), None)
+                for how, head in heads.items()
+            ),
+        ):
+            case = f"{label}, input {list(shape)} sharded along dim {seq_dim} over {world_size} ranks"
+            xr = x.clone().requires_grad_()
+            want = module(xr)
+            grad_out = _small_ints(want.shape, 21, -1, 2)
+            (want * grad_out).sum().backward()
+            want = want.detach()
+            parallel = parallelize_module(copy.deepcopy(module), mesh, styles)
+            x_d = distribute_tensor(x, mesh, [Shard(seq_dim)]).requires_grad_()
+            y = parallel(x_d)
+            if placement is None:  # the head's logits: every rank's, local
+                assert torch.equal(y, want), case
+                (y * grad_out).sum().backward()
+            else:
+                assert isinstance(y, DTensor) and y.placements == (placement,) and y.shape == want.shape, case
+                assert torch.equal(y.to_local(), _torchs_piece(want, mesh, seq_dim)), case
+                (y.full_tensor() * grad_out).sum().backward()
+            assert x_d.grad.placements == (Shard(seq_dim),), case
+            assert torch.equal(x_d.grad.to_local(), _torchs_piece(xr.grad, mesh, seq_dim)), case
+            for name, grad in _full_grads(parallel).items():
+                assert torch.equal(grad, dict(module.named_parameters())[name].grad), f"{case}: grad {name}"
+            module.zero_grad()
+
+
+@on_ranks(2, 4)
+def test_uneven_sequence_llama_block_matches_native_plan(world_size):
+    """The Llama block on a sequence-sharded DTensor of a length the TP degree does not divide, with DTensor
+    outputs: fastmesh's plan gives the native plan's placements and pieces, and both equal the unsharded block
+    (outputs, input and parameter gradients; fp32 tolerance)."""
+    mesh = _tp_mesh()
+    args = LlamaArgs(dim=64, n_heads=8, n_kv_heads=4, ffn_hidden=96)
+    torch.manual_seed(0)
+    unsharded = Block(args)
+    for rows in _uneven_lengths(world_size)[1:]:
+        x = _randn((2, rows, args.dim), seed=1)
+        grad_out = _randn((2, rows, args.dim), seed=2)
+        rope = rope_tables(rows, args.head_dim, args.rope_theta)
+        want_y, want_dx, want_grads = _run_block(unsharded, x, rope, grad_out)
+        unsharded.zero_grad()
+        for plan in ("fastmesh", "native"):
+            styles = block_plan(plan)
+            rowwise = (
+                FusedRowwiseParallel(use_local_output=False)
+                if plan == "fastmesh"
+                else RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+            )
+            styles.update({"attention.wo": rowwise, "feed_forward.w2": rowwise})
+            block = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
+            x_d = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+            y = block(x_d, rope)
+            case = f"{plan} plan, sequence {rows} over {world_size} ranks"
+            assert y.placements == (Shard(1),) and y.to_local().shape == _torchs_piece(want_y, mesh, 1).shape, case
+            (y.full_tensor() * grad_out).sum().backward()
+            torch.testing.assert_close(y.full_tensor(), want_y, **TOLERANCE, msg=lambda m: f"{case}: output: {m}")
+            torch.testing.assert_close(
+                x_d.grad.full_tensor(), want_dx, **TOLERANCE, msg=lambda m: f"{case}: grad x: {m}"
+            )
+            for name, grad in _full_grads(block).items():
+                torch.testing.assert_close(
+                    grad, want_grads[name], **TOLERANCE, msg=lambda m: f"{case}: grad {name}: {m}"
+                )
+
+
+@on_ranks(2, timeout=300)
+def test_compiled_uneven_sequence_matches_eager():
+    """fullgraph compile (aot_eager) of the block on a DTensor of uneven sequence shards, DTensor out: one graph,
+    no break, the outputs and gradients of eager bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mesh = _tp_mesh()
+    args = LlamaArgs()
+    torch.manual_seed(0)
+    styles = block_plan("fastmesh")
+    rowwise = FusedRowwiseParallel(use_local_output=False)
+    styles.update({"attention.wo": rowwise, "feed_forward.w2": rowwise})
+    block = parallelize_module(Block(args), mesh, styles)
+    rope = rope_tables(7, args.head_dim, args.rope_theta)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend=counter)):
+        x = distribute_tensor(_randn((2, 7, args.dim), seed=1), mesh, [Shard(1)]).requires_grad_()
+        y = fn(x, rope)
+        (y.full_tensor() * _randn(y.shape, seed=2)).sum().backward()
+        results.append((y.full_tensor(), x.grad.full_tensor(), _full_grads(block)))
+        block.zero_grad()
+    (y, dx, grads), (y_eager, dx_eager, grads_eager) = results[1], results[0]
+    assert torch.equal(y, y_eager) and torch.equal(dx, dx_eager)
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_eager[name]), name
+    assert len([g for g in counter.graphs if len(g.graph.nodes)]) == 1, counter.graphs
+    assert not torch._dynamo.utils.counters["graph_break"], torch._dynamo.utils.counters["graph_break"]
+
+
+@on_ranks(2, 4)
+def test_uneven_sequence_fp8_rows_equal_the_even_runs_rows(world_size):
+    """MX FP8 scales are per row (blocks along the features), so an uneven sequence's outputs and input gradient
+    are the first rows of an even run whose extra rows are anything (random here): a misplaced, lost or padding
+    row would show."""
+    mesh = _tp_mesh()
+    fp8 = Float8Config(granularity="mx")
+    torch.manual_seed(0)
+    unsharded = nn.Sequential(nn.Linear(64, 32 * world_size), nn.GELU(), nn.Linear(32 * world_size, 64))
+    styles = {"0": FusedColwiseParallel(fp8=fp8), "2": FusedRowwiseParallel(fp8=fp8, use_local_output=False)}
+    model = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
+    for rows in _uneven_lengths(world_size):
+        even = world_size * -(-rows // world_size)
+        x = _randn((2, even, 64), seed=rows)
+        grad_out = _randn((2, even, 64), seed=rows + 1)
+        results = []
+        for length in (rows, even):
+            x_d = distribute_tensor(x[:, :length], mesh, [Shard(1)]).requires_grad_()
+            y = model(x_d)
+            (y.full_tensor() * grad_out[:, :length]).sum().backward()
+            results.append((y.full_tensor(), x_d.grad.full_tensor()))
+        case = f"sequence {rows} over {world_size} ranks"
+        (y, dx), (y_even, dx_even) = results
+        torch.testing.assert_close(y, y_even[:, :rows], rtol=1e-6, atol=1e-6, msg=lambda m: f"{case}: output: {m}")
+        torch.testing.assert_close(dx, dx_even[:, :rows], rtol=1e-6, atol=1e-6, msg=lambda m: f"{case}: grad x: {m}")
 
 
 # ---- single linears: layouts, DTensor in and out ----
@@ -1120,13 +1283,8 @@ def test_bad_plans_raise_clear_errors():
         lambda: apply(nn.Linear(8, 8, dtype=torch.float64), FusedRowwiseParallel(fp8=Float8Config())),
     )
 
-    # At the first forward: sequence lengths that do not divide, inputs placed otherwise.
+    # At the first forward: uneven shards that are not torch's, inputs placed otherwise.
     rowwise = apply(nn.Linear(8, 8), FusedRowwiseParallel())
-    _raises(
-        ValueError,
-        f"sequence length 3 \\(dim 1 of the input, shape \\(2, 3, {8 // world}\\)\\) must be divisible",
-        lambda: rowwise(torch.randn(2, 3, 8 // world)),
-    )
     colwise = apply(nn.Linear(8, 8), FusedColwiseParallel())
     # Inputs whose features are not what the linear multiplies: said in the style's words, not the op's.
     _raises(
@@ -1147,8 +1305,9 @@ def test_bad_plans_raise_clear_errors():
         "FusedColwiseParallel: _QK's input has 6 features .*expected 8 \\(the in_features of \\('wq', 'wk'\\)\\)",
         lambda: shared(torch.randn(2, 4, 6, dtype=torch.float64)),
     )
-    uneven = DTensor.from_local(
-        torch.randn(2, 2 if dist.get_rank() == 0 else 1, 8),
+    # Rank 0 holds 1 row of 3 and rank 1 holds 2, where torch's pieces are 2 then 1: both ranks raise.
+    not_torchs = DTensor.from_local(
+        torch.randn(2, 1 + dist.get_rank(), 8),
         mesh,
         [Shard(1)],
         run_check=False,
@@ -1156,7 +1315,10 @@ def test_bad_plans_raise_clear_errors():
         stride=(24, 8, 1),
     )
     _raises(
-        ValueError, f"sequence length 3 \\(dim 1\\) must be divisible by the TP degree {world}", lambda: colwise(uneven)
+        ValueError,
+        f"FusedColwiseParallel: the input is sharded unevenly along dim 1 \\(3 rows over {world} ranks\\), so rank "
+        f"{dist.get_rank()} must hold",
+        lambda: colwise(not_torchs),
     )
     _raises(
         ValueError,

@@ -13,7 +13,9 @@ matmul_all_gather           a ``Replicate()`` (grad: ``Partial()``);  ``Replicat
                             b plain or ``Shard(1)``
 ==========================  ======================================  ===================================
 
-``to_local`` / ``from_local`` are differentiable, so gradients flow back to the DTensor inputs.
+``to_local`` / ``from_local`` are differentiable, so gradients flow back to the DTensor inputs. A gathered or
+scattered dim the mesh size does not divide (torch's uneven sharding; not the contraction) runs the op on equal
+shards padded with zero rows, and the results drop the padding (:mod:`fastmesh.ops._shards`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fastmesh.mesh import group_name
+from fastmesh.ops import _shards
 from fastmesh.ops._checks import wrap_dim
 
 
@@ -37,7 +40,9 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _wrap(local: torch.Tensor, mesh, placement, shape) -> DTensor:
+def wrap_local(local: torch.Tensor, mesh, placement, shape) -> DTensor:
+    """``local`` as the DTensor of global ``shape`` (contiguous) it is this rank's part of: ``from_local`` with the
+    shape given, which an uneven shard needs."""
     return DTensor.from_local(
         local, mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=_contiguous_strides(shape)
     )
@@ -87,15 +92,14 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
             f"{op}: a_shard must be placed Shard({gather_dim}) (sharded along gather_dim), "
             f"got {a_shard.placements[0]!r}"
         )
-    if a_shard.shape[dim] % mesh.size():
-        # Uneven shards have different shapes on different ranks, which the transfers cannot take (gloo aborts
-        # the process); the global shape tells, without communicating.
+    contraction, rows = dim == a_shard.dim() - 1, a_shard.shape[dim]
+    if contraction and rows % mesh.size():
+        # Padding the contraction would need b's rows padded too; a linear's input features are not sharded so.
         raise ValueError(
-            f"{op}: a_shard is sharded unevenly: its global size {a_shard.shape[dim]} along gather_dim "
-            f"{gather_dim} is not divisible by the mesh size {mesh.size()} (the fused ops gather equal "
-            "shards)"
+            f"{op}: a_shard is sharded unevenly along its last dim (the contraction): its global size {rows} is "
+            f"not divisible by the mesh size {mesh.size()}"
         )
-    contraction = dim == a_shard.dim() - 1
+    a_local = _shards.shard_to_gather(a_shard.to_local(), dim, rows, mesh, f"{op}: a_shard")
     locals_, placements = [], []
     for i, b in enumerate(bs):
         allowed = (Replicate(),) if contraction else (Replicate(), Shard(1))
@@ -104,15 +108,24 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
         )
         locals_.append(local)
         placements.append(placement)
-    a_local, outs = front(a_shard.to_local(), locals_, dim, group=mesh, return_a=return_a, pieces=pieces, fp8=fp8)
+    a_local, outs = front(a_local, locals_, dim, group=mesh, return_a=return_a, pieces=pieces, fp8=fp8)
+
+    def unpadded(t):  # a gathered contraction is even, and not the products' last dim
+        return t if contraction else _shards.first_rows(t, dim, rows)
+
     full_shape = list(a_shard.shape)
     out_dtensors = []
     for b, local, out, placement in zip(bs, locals_, outs, placements):
         n = b.shape[1] if is_dtensor(b) else local.shape[1]
-        out_placement = Shard(out.dim() - 1) if placement == Shard(1) else Replicate()
-        out_dtensors.append(_wrap(out, mesh, out_placement, full_shape[:-1] + [n]))
-    a_full = _wrap(a_local, mesh, Replicate(), full_shape) if a_local is not None else None
-    return a_full, out_dtensors
+        if placement == Shard(1):  # column-sharded: each rank's gradient is its part of the sum
+            out_dtensors.append(wrap_local(unpadded(out), mesh, Shard(out.dim() - 1), full_shape[:-1] + [n]))
+        else:
+            out = _shards.count_replicated_grad_once(unpadded(out), mesh)
+            out_dtensors.append(wrap_local(out, mesh, Replicate(), full_shape[:-1] + [n]))
+    if a_local is None:
+        return None, out_dtensors
+    a_local = _shards.count_replicated_grad_once(unpadded(a_local), mesh)
+    return wrap_local(a_local, mesh, Replicate(), full_shape), out_dtensors
 
 
 def _contraction_sharded(a, b, group, op: str):
@@ -134,10 +147,15 @@ def _contraction_sharded(a, b, group, op: str):
 def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, pieces, fp8):
     op = "fastmesh.matmul_reduce_scatter"
     mesh, b_local = _contraction_sharded(a, b, group, op)
-    out = front(a.to_local(), b_local, scatter_dim, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
     dim = wrap_dim(scatter_dim, a.dim(), op, "scatter_dim", "a")
+    rows, a_local = a.shape[dim], a.to_local()
+    if dim < a.dim() - 1:  # torch's uneven sharding of rows: scattered padded, the padding dropped
+        a_local = _shards.rows_to_scatter(a_local, dim, mesh.size())
+    out = front(a_local, b_local, scatter_dim, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
+    if dim < a.dim() - 1:
+        out = _shards.own_part(out, dim, rows, mesh)
     n = b.shape[1] if is_dtensor(b) else b_local.shape[1]
-    return _wrap(out, mesh, Shard(dim), list(a.shape[:-1]) + [n])
+    return wrap_local(out, mesh, Shard(dim), list(a.shape[:-1]) + [n])
 
 
 def matmul_all_reduce(front, a, b, group, reduce_op, pieces, fp8):
@@ -145,7 +163,7 @@ def matmul_all_reduce(front, a, b, group, reduce_op, pieces, fp8):
     mesh, b_local = _contraction_sharded(a, b, group, op)
     out = front(a.to_local(), b_local, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
     n = b.shape[1] if is_dtensor(b) else b_local.shape[1]
-    return _wrap(out, mesh, Replicate(), list(a.shape[:-1]) + [n])
+    return wrap_local(out, mesh, Replicate(), list(a.shape[:-1]) + [n])
 
 
 def matmul_all_gather(front, a, b, group, pieces):
@@ -163,4 +181,4 @@ def matmul_all_gather(front, a, b, group, pieces):
     b_local, _ = _local_b(b, mesh, op, "b", (Shard(1),), "Shard(1) (this rank's columns)")
     # Each rank's gradient of a is its columns' part: partial, summed where a was made replicated.
     out = front(a.to_local(grad_placements=[Partial()]), b_local, group=mesh, pieces=pieces)
-    return _wrap(out, mesh, Replicate(), list(out.shape))
+    return wrap_local(out, mesh, Replicate(), list(out.shape))

@@ -308,7 +308,7 @@ def all_gather_matmul(
     Args:
         a_shard: this rank's shard, float32 / bfloat16 / float16 / float64, at least 1-D; the same shape
             on every rank. A ``DTensor`` placed ``Shard(gather_dim)`` on a 1-D mesh gives DTensor results
-            (the mesh is the group).
+            (the mesh is the group); its shards may be uneven (torch's, along any dim but the last).
         bs: matrices ``[K, N_i]`` (``[W*K, N_i]`` when gathering the last dim), a's dtype and device;
             plain tensors or DTensors on the same mesh (``Replicate()``, or ``Shard(1)`` for a
             column-sharded weight: that output is then ``Shard(-1)``).
@@ -381,7 +381,8 @@ def matmul_reduce_scatter(
         a: this rank's ``[..., K]`` operand (e.g. a row-parallel layer's column-sharded input), float32 /
             bfloat16 / float16 / float64; the scattered dim of ``a @ b`` must divide by the group size.
             A ``DTensor`` on a 1-D mesh placed ``Shard(-1)`` (with ``b`` plain or ``Shard(0)``) gives a
-            DTensor result placed ``Shard(scatter_dim)``.
+            DTensor result placed ``Shard(scatter_dim)``, in torch's uneven shards where the group size does not
+            divide that dim (any but the last).
         b: ``[K, N]``, a's dtype and device.
         scatter_dim: the dim of ``a @ b`` to scatter; negative counts from the end; the last dim scatters
             the columns.

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from fastmesh.ops._checks import MX, MX_BLOCK
+from fastmesh.ops._dtensor import wrap_local
 from fastmesh.ops._fp8_operands import OUT_DTYPES, check_config
 from fastmesh.ops._fused_common import check_pieces, resolve_pieces
 
@@ -156,28 +157,27 @@ def is_dtensor_input(x, mesh: DeviceMesh, style: str) -> bool:
     return isinstance(x, DTensor)
 
 
-def local_input(x, mesh: DeviceMesh, layout: Placement, style: str) -> tuple[torch.Tensor | DTensor, Placement]:
-    """The input as the style will use it, and its placement: a DTensor's own placement wins over
-    ``input_layouts`` (which only annotates plain tensors, as in torch's styles). A sharded input comes back
-    as its local shard; a replicated one as it is (a plain tensor, or a ``Replicate()`` DTensor)."""
+def local_input(x, mesh: DeviceMesh, layout: Placement, style: str):
+    """The input as the style will use it, its placement, and, for a sequence-sharded DTensor, its global sequence
+    length (else None: a plain tensor's shards are equal). A DTensor's own placement wins over ``input_layouts``
+    (which only annotates plain tensors, as in torch's styles). A sharded input comes back as its local shard,
+    which may be torch's uneven piece; a replicated one as it is (a plain tensor, or a ``Replicate()`` DTensor)."""
     if not is_dtensor_input(x, mesh, style):
-        return x, layout
+        return x, layout, None
     placement = x.placements[0]
     if isinstance(placement, Replicate):
-        return x, placement
+        return x, placement, None
     if isinstance(placement, Shard):
         dim = placement.dim % x.dim()
-        if x.shape[dim] % mesh.size():
-            raise ValueError(
-                f"{style}: the input's sequence length {x.shape[dim]} (dim {dim}) must be divisible by "
-                f"the TP degree {mesh.size()}"
-            )
-        return x.to_local(), Shard(dim)
+        return x.to_local(), Shard(dim), x.shape[dim]
     raise ValueError(f"{style}: the input DTensor must be placed Shard(sequence_dim) or Replicate(), got {placement!r}")
 
 
-def as_output(local: torch.Tensor, mesh: DeviceMesh, placement: Placement, use_local_output: bool):
-    """What the module returns: ``local`` itself, or a DTensor of it placed ``placement``."""
+def as_output(local: torch.Tensor, mesh: DeviceMesh, placement: Placement, use_local_output: bool, shape=None):
+    """What the module returns: ``local`` itself, or a DTensor of it placed ``placement`` (of global ``shape``
+    where given: an uneven shard's DTensor needs it)."""
     if use_local_output:
         return local
+    if shape is not None:
+        return wrap_local(local, mesh, placement, shape)
     return DTensor.from_local(local, mesh, [placement], run_check=False)

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from fastmesh._log import log_once
+from fastmesh.ops._shards import count_replicated_grad_once
 from fastmesh.parallel._common import check_input_features, check_linear
 
 logger = logging.getLogger("fastmesh.parallel")
@@ -75,7 +76,6 @@ class SharedGather:
                 f"{_COLWISE}: the linears sharing a gather must read the same input, but their "
                 f"in_features differ: {[(n, lin.in_features) for n, lin in self.named_linears]}"
             )
-        self.keeps_replicated_grad = mesh.get_local_rank() == 0
         # Eager only: the gathered input of the parent's call in progress, to recognize aliases of it.
         self.eager_gathered: DTensor | None = None
         for name, linear in self.named_linears:
@@ -93,7 +93,7 @@ class SharedGather:
                 f"{_COLWISE}(linears={self.style.linears}): {type(parent).__name__}'s input must be its "
                 "first positional argument"
             )
-        x, placement = self.style._prepare_input_fn(args[0], self.mesh)
+        x, placement, rows = self.style._prepare_input_fn(args[0], self.mesh)
         in_features = self.named_linears[0][1].in_features
         check_input_features(x, in_features, _COLWISE, type(parent).__name__, linears=self.style.linears)
         if isinstance(x, DTensor):  # a Replicate() DTensor: each linear runs as torch's ColwiseParallel
@@ -103,8 +103,8 @@ class SharedGather:
             outs = self.style._replicated_matmul(self.mesh, self.named_linears, x)
             gathered = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
         else:
-            a, outs = self.style._gather_matmul(self.mesh, self.named_linears, x, placement, return_a=True)
-            a = _CountReplicatedGradOnce.apply(a, self.keeps_replicated_grad)
+            a, outs = self.style._gather_matmul(self.mesh, self.named_linears, x, placement, True, rows)
+            a = count_replicated_grad_once(a, self.mesh)
             gathered = DTensor.from_local(a, self.mesh, [Replicate()], run_check=False)
         setattr(gathered, _SIBLING_OUTPUTS, {name: out for (name, _), out in zip(self.named_linears, outs)})
         if not torch.compiler.is_compiling():
@@ -163,18 +163,3 @@ def _gathered_forward(parent: nn.Module, *args, **kwargs):
 def _sibling_forward(linear: nn.Linear, x):
     shared, name = getattr(linear, _SIBLING)
     return shared.sibling_forward(linear, name, x)
-
-
-class _CountReplicatedGradOnce(torch.autograd.Function):
-    """Identity; in backward, only the rank that ``keep``s passes the gradient on. The fused op reduce-scatters
-    (sums over the ranks) whatever gradient its gathered output gets; a replicated use of it gives every rank
-    the whole gradient (DTensor all-reduces partial ones into that), which the sum must count once."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, keep: bool):
-        ctx.keep = keep
-        return a.view_as(a)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad if ctx.keep else torch.zeros_like(grad)), None

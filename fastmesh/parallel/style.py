@@ -26,6 +26,10 @@ ColwiseParallel all-reduces it after its matmul); a replicated output's backward
 Parameters are DTensors placed as torch's ``ColwiseParallel`` / ``RowwiseParallel`` place them: state dicts,
 DCP and FSDP2 see what they see under the native plan.
 
+A sequence length ``S`` the TP degree does not divide (a DTensor input's, or the rowwise input's whole sequence)
+runs on torch's uneven shards (``ceil(S/tp)`` rows per rank, the last ranks fewer or none), padded with zero rows
+for the fused ops and the padding dropped from their results (:mod:`fastmesh.ops._shards`).
+
 Errors: a bad keyword raises ``TypeError`` / ``ValueError`` naming the style when it is built, a module it
 cannot serve when it is applied, an input it cannot take at the forward; all before any collective.
 A whole Llama block's plan, and why the styles are built as they are: ``docs/design/tp-styles.md``.
@@ -49,6 +53,7 @@ from fastmesh._log import log_once
 from fastmesh.mesh import group_name
 from fastmesh.ops import all_gather_matmul, autocast, matmul_all_gather, matmul_all_reduce, matmul_reduce_scatter
 from fastmesh.ops._collectives import all_gather
+from fastmesh.ops._shards import first_rows, own_part, rows_to_scatter, shard_to_gather
 from fastmesh.ops.replicated_input import replicated_input_matmul
 from fastmesh.parallel._common import (
     as_output,
@@ -97,8 +102,9 @@ class FusedColwiseParallel(ParallelStyle):
             The DTensor layout of a plain-tensor input: ``Shard(sequence_dim)`` (default ``Shard(1)``), whose
             gather is fused, or ``Replicate()`` (plain TP): the matmuls are local and the input's gradient,
             summed over the ranks, is fused into its matmul in backward (one all-reduce for all ``linears``).
-            A DTensor input's own placement (one of those two) is used instead; a ``Replicate()`` DTensor runs
-            as torch's ``ColwiseParallel`` (its gradient is reduced where it was made replicated).
+            A DTensor input's own placement (one of those two) is used instead; a sequence-sharded one may hold
+            torch's uneven shards (a length the TP degree does not divide); a ``Replicate()`` DTensor runs as
+            torch's ``ColwiseParallel`` (its gradient is reduced where it was made replicated).
         output_layouts (Placement, optional):
             The DTensor layout of the outputs: ``Shard(-1)`` (default), or ``Replicate()``: the columns
             gathered after the matmul (an LM head's logits), as torch's ``ColwiseParallel`` gathers them.
@@ -159,8 +165,9 @@ class FusedColwiseParallel(ParallelStyle):
         self.fp8 = check_fp8(fp8, _COLWISE)
         self.pieces = pipeline_pieces(pieces, chunks, _COLWISE)
 
-    def _prepare_input_fn(self, x, mesh: DeviceMesh) -> tuple[torch.Tensor | DTensor, Placement]:
-        """The input and its placement: a local sequence shard (``Shard``), or a ``Replicate()`` DTensor."""
+    def _prepare_input_fn(self, x, mesh: DeviceMesh) -> tuple[torch.Tensor | DTensor, Placement, int | None]:
+        """The input, its placement and a DTensor's global sequence length: a local sequence shard (``Shard``;
+        a DTensor's may be uneven), or a ``Replicate()`` DTensor."""
         return local_input(x, mesh, self.input_layouts[0], _COLWISE)
 
     def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh):
@@ -194,14 +201,20 @@ class FusedColwiseParallel(ParallelStyle):
         log_once(logger, logging.INFO, (_COLWISE, "replicated output", said), "%s: %s", _COLWISE, said)
         return output
 
-    def _gather_matmul(self, mesh: DeviceMesh, named_linears, x_shard: torch.Tensor, placement: Shard, return_a: bool):
-        """The fused gather + matmuls: (gathered input or None, each linear's output)."""
+    def _gather_matmul(
+        self, mesh: DeviceMesh, named_linears, x_shard: torch.Tensor, placement: Shard, return_a: bool, rows=None
+    ):
+        """The fused gather + matmuls: (gathered input or None, each linear's output). ``rows``: the global sequence
+        length of an input DTensor, whose shard may be uneven (padded to gather: :mod:`fastmesh.ops._shards`)."""
         dim = sequence_dim(placement, x_shard, _COLWISE, "the input's")
+        rows = x_shard.shape[dim] * mesh.size() if rows is None else rows
+        x_shard = shard_to_gather(x_shard, dim, rows, mesh, f"{_COLWISE}: the input")
         if self._gathers_output(named_linears, return_a):
             # The input gathered by a plain all-gather (its backward reduce-scatters the partial gradient).
             (name, linear), group = named_linears[0], group_name(mesh)
             weight = local_parameter(linear, "weight", _COLWISE, name)  # no bias: _gathers_output
-            out = matmul_all_gather(all_gather(x_shard, dim, group), weight.t(), group=group, pieces=self.pieces)
+            x = first_rows(all_gather(x_shard, dim, group), dim, rows)
+            out = matmul_all_gather(x, weight.t(), group=group, pieces=self.pieces)
             return None, [self._gathered_output(out, mesh)]
         weights = [local_parameter(linear, "weight", _COLWISE, name) for name, linear in named_linears]
         a, outs = all_gather_matmul(
@@ -216,8 +229,8 @@ class FusedColwiseParallel(ParallelStyle):
         results = []
         for (name, linear), out in zip(named_linears, outs):
             bias = local_parameter(linear, "bias", _COLWISE, name)
-            results.append(self._prepare_output_fn(_plus_bias(out, bias), mesh))
-        return a, results
+            results.append(self._prepare_output_fn(_plus_bias(first_rows(out, dim, rows), bias), mesh))
+        return (None if a is None else first_rows(a, dim, rows)), results
 
     def _gathered_output(self, out: torch.Tensor, mesh: DeviceMesh):
         """The gathered product (every column), local or a ``Replicate()`` DTensor."""
@@ -260,14 +273,14 @@ class FusedColwiseParallel(ParallelStyle):
 
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh, what: str):
         """The forward of a linear under this style (``what`` names it in errors)."""
-        x, placement = self._prepare_input_fn(x, mesh)
+        x, placement, rows = self._prepare_input_fn(x, mesh)
         check_input_features(x, linear.in_features, _COLWISE, what)
         if isinstance(x, DTensor):
             return self._replicated_dtensor_matmul(linear, x)
         if isinstance(placement, Replicate):
             (out,) = self._replicated_matmul(mesh, [(what, linear)], x)
             return out
-        _, (out,) = self._gather_matmul(mesh, [(what, linear)], x, placement, return_a=False)
+        _, (out,) = self._gather_matmul(mesh, [(what, linear)], x, placement, return_a=False, rows=rows)
         return out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -309,8 +322,9 @@ class FusedRowwiseParallel(ParallelStyle):
             must be placed so too.
         output_layouts (Placement, optional):
             The DTensor layout of the output: ``Shard(sequence_dim)``, default ``Shard(1)`` (any dim but the
-            last, whose length must divide by the TP degree), or ``Replicate()`` (plain TP, torch's
-            ``RowwiseParallel()``): ``fastmesh.matmul_all_reduce``, whose backward needs no collective.
+            last; a length the TP degree does not divide leaves in torch's uneven shards), or ``Replicate()``
+            (plain TP, torch's ``RowwiseParallel()``): ``fastmesh.matmul_all_reduce``, whose backward needs no
+            collective.
         use_local_output (bool, optional):
             Whether the output is a local :class:`torch.Tensor` rather than a DTensor, default: True.
         fp8 (Float8Config, optional):
@@ -368,14 +382,14 @@ class FusedRowwiseParallel(ParallelStyle):
             )
         return x.to_local()
 
-    def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh, placement: Placement, bias):
-        """The reduced shard plus the bias, local or a DTensor. The bias is replicated and each rank adds it to
-        its own rows, as a DTensor op: its gradient (a sum over rows that differ per rank) is then a Partial
-        DTensor, reduced where it is used (the optimizer step), as for the norm weights under torch's
-        SequenceParallel."""
+    def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh, placement: Placement, bias, shape=None):
+        """The reduced shard plus the bias, local or a DTensor (of global ``shape`` where given). The bias is
+        replicated and each rank adds it to its own rows, as a DTensor op: its gradient (a sum over rows that
+        differ per rank) is then a Partial DTensor, reduced where it is used (the optimizer step), as for the norm
+        weights under torch's SequenceParallel."""
         if bias is None:
-            return as_output(out, mesh, placement, self.use_local_output)
-        out = DTensor.from_local(out, mesh, [placement], run_check=False) + autocast.cast(bias)
+            return as_output(out, mesh, placement, self.use_local_output, shape)
+        out = as_output(out, mesh, placement, False, shape) + autocast.cast(bias)
         return out.to_local() if self.use_local_output else out
 
     def _partition_linear_fn(self, linear: nn.Linear, mesh: DeviceMesh) -> None:
@@ -390,14 +404,11 @@ class FusedRowwiseParallel(ParallelStyle):
             out = matmul_all_reduce(x, weight.t(), group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
             return self._prepare_output_fn(out, mesh, Replicate(), linear.bias)
         dim = sequence_dim(self.output_layouts[0], x, _ROWWISE, "output_layouts")
-        tp = mesh.size()
-        if x.shape[dim] % tp:
-            raise ValueError(
-                f"{_ROWWISE}: the sequence length {x.shape[dim]} (dim {dim} of the input, "
-                f"shape {tuple(x.shape)}) must be divisible by the TP degree {tp}"
-            )
-        out = matmul_reduce_scatter(x, weight.t(), dim, group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
-        return self._prepare_output_fn(out, mesh, Shard(dim), linear.bias)
+        # A sequence the TP degree does not divide leaves in torch's uneven shards (padded to scatter).
+        padded = rows_to_scatter(x, dim, mesh.size())
+        out = matmul_reduce_scatter(padded, weight.t(), dim, group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
+        shape = [*x.shape[:-1], linear.out_features]
+        return self._prepare_output_fn(own_part(out, dim, x.shape[dim], mesh), mesh, Shard(dim), linear.bias, shape)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         check_mesh(device_mesh, _ROWWISE)
