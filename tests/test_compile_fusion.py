@@ -168,10 +168,10 @@ def test_native_block_compiles_to_fused_ops_with_equal_results():
 
 
 @on_ranks(2, timeout=600)
-def test_whole_native_llama_compiles_to_fused_ops_except_the_embedding():
-    # The whole model: two blocks, the vocab-parallel head and loss. Every block collective and the head's
-    # gather fuse; the embedding's reduce-scatter (of a lookup, not a matmul) and its backward gather (into an
-    # index_put) are left, and the report says why.
+def test_whole_native_llama_compiles_strictly_to_fused_ops():
+    # The whole model: two blocks, the vocab-parallel head and loss, compiled with strict=True. Every block
+    # collective and the head's gather fuse; the embedding's reduce-scatter (of a lookup) and its backward gather
+    # (into an index_put) are no matmul's, so neither listed nor fatal, as the loss's all-reduces.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -192,7 +192,7 @@ def test_whole_native_llama_compiles_to_fused_ops_except_the_embedding():
     want = step(parallelize_llama(Llama(args), mesh, "native"), compiled=False)
     torch.manual_seed(0)
     model = parallelize_llama(Llama(args), mesh, "native")
-    with _fusion():
+    with _fusion(strict=True):
         got = step(model, compiled=True)
         report = fastmesh.compile.fusion_report()
     torch.testing.assert_close(got[0], want[0], **TOLERANCE)
@@ -201,9 +201,7 @@ def test_whole_native_llama_compiles_to_fused_ops_except_the_embedding():
     # Forward: 2 gathers and 2 reduce-scatters per block, the head's gather; backward the same, mirrored.
     assert report.count("fastmesh.all_gather_matmul") == 5 + 4, str(report)
     assert report.count("fastmesh.matmul_reduce_scatter") == 4 + 5, str(report)
-    left = sorted((e.graph_kind, e.collective) for e in report.unfused)
-    assert left == [("backward", "all_gather"), ("forward", "reduce_scatter")], str(report)
-    assert all("matmul" in e.detail for e in report.unfused), str(report)
+    assert report.unfused == [], str(report)
 
 
 # ---- biased row-parallel linears (DTensor makes the bias partial) ----
@@ -325,8 +323,8 @@ def test_torch_transformer_sequence_parallel_plan_fuses_every_matmul_collective(
     # Every collective of a matmul fuses, the row-parallel biases added after the fused reduce-scatter. The LM
     # head gathers its input (sequence) and its output (vocabulary columns, which torch's plan makes
     # replicated): its matmul goes with the larger, the output's (matmul_all_gather), and the input's gather is
-    # left as not worth it. Left too: the embeddings' reduce-scatters (of masked lookups) and their backward
-    # gathers (into index_put): no matmul's.
+    # left as not worth it. The embeddings' reduce-scatters (of masked lookups) and their backward gathers (into
+    # index_put) are no matmul's: not listed.
     report = _torch_transformer_report(use_seq_parallel=True)
     per_layer = {"forward": (4, 4), "backward": (4, 5)}  # (gathers, reduce-scatters) fused: 2 layers (+ the head)
     for kind, (gathers, scatters) in per_layer.items():
@@ -334,9 +332,7 @@ def test_torch_transformer_sequence_parallel_plan_fuses_every_matmul_collective(
         assert report.count("fastmesh.matmul_reduce_scatter", kind) == scatters, str(report)
     assert report.count("fastmesh.matmul_all_gather", "forward") == 1, str(report)
     assert sum("the replicated bias" in e.detail for e in report.fused) == 2, str(report)  # w2 of each layer
-    embeddings = sorted((e.graph_kind, e.collective) for e in report.unfused if "index_put" in e.detail)
-    assert embeddings == [("backward", "all_gather")] * 2 + [("forward", "reduce_scatter")] * 2, str(report)
-    [head_input] = [e for e in report.unfused if "index_put" not in e.detail]
+    [head_input] = report.unfused
     assert (head_input.graph_kind, head_input.collective) == ("forward", "all_gather"), str(report)
     assert head_input.unprofitable and "which moves more data" in head_input.detail, str(report)
 
@@ -702,6 +698,30 @@ def test_unfusable_patterns_are_reported_and_strict_raises(name):
     assert any(left.node in m and reason in m for m in records.messages), records.messages
     # The compile error names the collective's node and the reason.
     assert left.node in str(raised.value) and reason in str(raised.value), str(raised.value)
+
+
+def _no_matmuls_collectives(x, w, b):
+    # As an embedding's: the reduce-scatter of a lookup (here a product no matmul feeds), a gathered gradient
+    # that ends in an index_put (here an exp), and one that inductor folds into a weight gradient as addmm's
+    # added term (a tied embedding's).
+    tied = torch.addmm(_gather(x, 0)[:10, :10], x.t(), x[:, :10])
+    return _scatter(x * 2, 0), _gather(x, 0).exp(), tied
+
+
+@on_ranks(2, timeout=300)
+def test_collectives_no_matmul_multiplies_are_not_the_passs():
+    """A reduce-scatter no matmul feeds and all-gathers whose results no matmul multiplies (only adds) are not
+    listed, and strict=True compiles them unfused, as all-reduces of no matmul; a gather whose result a matmul
+    multiplies after another op stays the pass's (gather_then_relu: reported, fatal under strict)."""
+    inputs = _inputs()
+    with torch.no_grad():
+        want = _no_matmuls_collectives(*inputs)
+        with _fusion(strict=True):
+            got = torch.compile(_no_matmuls_collectives, fullgraph=True)(*inputs)
+            report = fastmesh.compile.fusion_report()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOLERANCE)
+    assert report.graphs and report.entries == (), str(report)
 
 
 def _fp8_gather_mx_scales(data, wq, scale_a, scale_b):

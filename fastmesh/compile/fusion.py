@@ -2,7 +2,8 @@
 
 :func:`enable_fusion` installs :class:`FusionPass` as ``torch._inductor.config.post_grad_custom_post_pass``.
 Inductor calls it once for every graph it compiles (the forward and the backward of each compiled region).
-For every ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` of a matmul in the graph it
+For every ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` of a matmul in the graph (one a
+matmul feeds or, for a gather, whose result a matmul multiplies; others are not listed) it
 either rewrites the pattern into a fastmesh fused op (``all_gather_matmul`` / ``matmul_reduce_scatter`` /
 ``matmul_all_reduce`` or the FP8 forms) and logs it (INFO on the ``fastmesh.compile`` logger), or leaves it and
 logs why (WARNING; INFO when it would not pay). Both end up in :func:`fusion_report`.
@@ -185,7 +186,7 @@ class _Rule:
 
     collective: str  # its name in the report
     target: object  # its node target
-    match: Callable  # node -> a match or an Unfusable (fastmesh.compile.patterns)
+    match: Callable  # node -> a match, an Unfusable, or None: no matmul's (fastmesh.compile.patterns)
     fuse: Callable  # (graph, match) -> the fused node or an Unfusable (fastmesh.compile.rewrite)
     matmuls: Callable  # match -> how many matmuls the fused op takes in
     detail: Callable  # match -> the fused call's arguments, for the report
@@ -384,8 +385,9 @@ def enable_fusion(strict: bool = False) -> None:
     kept and runs after fastmesh's.
 
     Args:
-        strict: raise :class:`FusionError` (failing the compile) when a graph has an all-gather or a
-            reduce-scatter the pass cannot fuse, naming it and the reason, instead of logging a warning.
+        strict: raise :class:`FusionError` (failing the compile) when a graph has a collective of a matmul the
+            pass cannot fuse (not one it leaves as unprofitable), naming it and the reason, instead of logging a
+            warning. Collectives of no matmul (an embedding's, a loss's) are not the pass's.
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")

@@ -175,6 +175,32 @@ def _ancestors(node: Node) -> set[Node]:
     return seen
 
 
+# Every multiply op of a post-grad graph, fusable or not, and which of its arguments it multiplies (addmm's and
+# baddbmm's first is added; _scaled_mm multiplies its scales too).
+_MULTIPLIED = {
+    MM: slice(0, 2),
+    ADDMM: slice(1, 3),
+    SCALED_MM: slice(0, 4),
+    aten.bmm.default: slice(0, 2),
+    aten.baddbmm.default: slice(1, 3),
+}
+
+
+def _multiplied_later(node: Node) -> bool:
+    """Whether a matmul multiplies ``node`` or a tensor computed from it. Being added by one does not count: inductor
+    folds a tied embedding's gradient into the LM head's weight gradient as ``addmm(embedding_grad, g, h)``."""
+    seen, stack = {node}, [node]
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user.target in _MULTIPLIED and current in user.args[_MULTIPLIED[user.target]]:
+                return True
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return False
+
+
 def _scaled_mm_args(node: Node) -> dict:
     return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
 
@@ -397,7 +423,10 @@ def _consumers_of(gathered: Node) -> tuple[list[Consumer], list[Node], list[Node
     return consumers, others, views[::-1]
 
 
-def match_all_gather(collective: Node) -> GatherMatch | Unfusable:
+def match_all_gather(collective: Node) -> GatherMatch | ProductGatherMatch | Unfusable | None:
+    """An all-gather feeding matmuls (or of a matmul's product), why one is left, or None for one whose gathered
+    tensor no matmul multiplies, directly or through other ops (an embedding's gradient), which the pass does not
+    list."""
     shard, _, group_name = collective.args[:3]
     found = _gathered_tensor(collective)
     if found is None:
@@ -416,6 +445,8 @@ def match_all_gather(collective: Node) -> GatherMatch | Unfusable:
     consumers, others, views = _consumers_of(gathered)
     if not consumers and _matmul_fed(shard):
         return _match_product_gather(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes)
+    if not consumers and not _multiplied_later(gathered):
+        return None  # no matmul multiplies it (an embedding's gradient): none of the pass's business
     if not consumers:
         return Unfusable(
             f"the gathered tensor (gather dim {gather_dim}) feeds no matmul directly or through "
@@ -729,8 +760,12 @@ def _match_reduction(collective, wait, product, scatter_dim, reduce_op, world, g
     )
 
 
-def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable:
+def match_reduce_scatter(collective: Node) -> ScatterMatch | Unfusable | None:
+    """A reduce-scatter of matmul products, why one is left, or None for one that no matmul feeds (an
+    embedding's lookup), which the pass does not list."""
     scattered, reduce_op, world, group_name = collective.args[:4]
+    if not any(node.target in _MULTIPLIED for node in (scattered, *_ancestors(scattered))):
+        return None
     wait = _wait_of(collective)
     if isinstance(wait, Unfusable):
         return wait
