@@ -535,6 +535,47 @@ def test_dtensor_fronts_run_torchs_uneven_shards_with_torchs_gradients(world_siz
             assert torch.equal(h_fm.grad.to_local(), h_torch.grad.to_local()), case
 
 
+@on_ranks(2, 3)
+def test_dtensor_fronts_pad_uneven_contractions_and_columns(world_size):
+    """A contraction (row-parallel a and b) or b's columns the mesh size does not divide: torch's results,
+    placements and gradients, bit for bit. Contractions of 5 then 6 then 5 columns over 2 ranks once hung: rank 0
+    held 3 columns each time (one plan agreed, no exchange) while rank 1's 2 then 3 were a new shape to agree on."""
+    mesh = _tp_mesh()
+    for k in (5, 6, 5, 2 * world_size + 1, 1):
+        a, b = small_ints((4 * world_size, k), torch.float32, seed=k), small_ints((k, 3), torch.float32, seed=1)
+        for scatter_dim in (0, 1, None):  # None: matmul_all_reduce
+            case = f"contraction {k} over {world_size} ranks, scatter_dim {scatter_dim}"
+            mine = [distribute_tensor(t, mesh, [Shard(d)]).requires_grad_() for t, d in ((a, 1), (b, 0))]
+            theirs = [distribute_tensor(t, mesh, [Shard(d)]).requires_grad_() for t, d in ((a, 1), (b, 0))]
+            if scatter_dim is None:
+                got, want = fastmesh.matmul_all_reduce(*mine), (theirs[0] @ theirs[1]).redistribute(mesh, [Replicate()])
+            else:
+                got = fastmesh.matmul_reduce_scatter(*mine, scatter_dim)
+                want = (theirs[0] @ theirs[1]).redistribute(mesh, [Shard(scatter_dim)])
+            assert got.placements == want.placements and torch.equal(got.to_local(), want.to_local()), case
+            _loss([got], seed=2).backward()
+            _loss([want], seed=2).backward()
+            for m, t in zip(mine, theirs):
+                assert torch.equal(m.grad.full_tensor(), t.grad.full_tensor()), case
+
+        # b's columns sharded unevenly: all_gather_matmul's column-sharded product, matmul_all_gather's gather.
+        x, w = small_ints((2 * world_size, 8), torch.float32, seed=3), small_ints((8, k), torch.float32, seed=4)
+        case = f"{k} columns over {world_size} ranks"
+        x_fm = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+        w_fm = distribute_tensor(w, mesh, [Shard(1)]).requires_grad_()
+        _, (y,) = fastmesh.all_gather_matmul(x_fm, [w_fm], 0)
+        x_torch = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+        w_torch = distribute_tensor(w, mesh, [Shard(1)]).requires_grad_()
+        y_torch = x_torch.redistribute(mesh, [Replicate()]) @ w_torch
+        assert y.shape == y_torch.shape and torch.equal(y.full_tensor(), y_torch.full_tensor()), case
+        _loss([y], seed=5).backward()
+        _loss([y_torch], seed=5).backward()
+        assert torch.equal(x_fm.grad.full_tensor(), x_torch.grad.full_tensor()), case
+        assert torch.equal(w_fm.grad.full_tensor(), w_torch.grad.full_tensor()), case
+        gathered = fastmesh.matmul_all_gather(distribute_tensor(x, mesh, [Replicate()]), w_fm)
+        assert gathered.placements == (Replicate(),) and torch.equal(gathered.to_local(), x @ w), case
+
+
 @on_ranks(2)
 def test_dtensor_placement_errors():
     mesh = _tp_mesh()

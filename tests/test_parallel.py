@@ -169,6 +169,23 @@ def _integer_pair(d, hidden, dtype, seed):
     return pair
 
 
+def _pair_plan(sequence_parallel: bool, names=("up", "down"), seq_dim: int = 1, fp8=None):
+    """A colwise -> rowwise pair's styles, and each rank's part of the unsharded input and output: its sequence
+    shard, or (plain TP: the activations replicated, the all-reduces fused) the whole."""
+    up, down = names
+    if sequence_parallel:
+        styles = {
+            up: FusedColwiseParallel(input_layouts=Shard(seq_dim), fp8=fp8),
+            down: FusedRowwiseParallel(output_layouts=Shard(seq_dim), fp8=fp8),
+        }
+        return styles, lambda t: _shard(t, seq_dim)
+    styles = {
+        up: FusedColwiseParallel(input_layouts=Replicate(), fp8=fp8),
+        down: FusedRowwiseParallel(output_layouts=Replicate(), fp8=fp8),
+    }
+    return styles, lambda t: t
+
+
 @on_ranks(2, 4)
 def test_linear_pair_small_integers_bit_exact(world_size):
     """Values in {-1, 0, 1} keep every product and sum an integer below 256: exact in fp32 and bf16 whatever the
@@ -183,18 +200,7 @@ def test_linear_pair_small_integers_bit_exact(world_size):
         (unsharded(xr) * grad_out).sum().backward()
 
         for sequence_parallel in (True, False):
-            if sequence_parallel:
-                styles = {
-                    "up": FusedColwiseParallel(input_layouts=Shard(seq_dim)),
-                    "down": FusedRowwiseParallel(output_layouts=Shard(seq_dim)),
-                }
-                part = lambda t: _shard(t, seq_dim)  # noqa: E731
-            else:  # plain TP: the activations replicated, the all-reduces fused (backward colwise, forward rowwise)
-                styles = {
-                    "up": FusedColwiseParallel(input_layouts=Replicate()),
-                    "down": FusedRowwiseParallel(output_layouts=Replicate()),
-                }
-                part = lambda t: t  # noqa: E731
+            styles, part = _pair_plan(sequence_parallel, seq_dim=seq_dim)
             pair = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
             xs = part(x).clone().requires_grad_()
             y = pair(xs)
@@ -311,13 +317,14 @@ def test_uneven_sequence_llama_block_matches_native_plan(world_size):
 
 
 @on_ranks(2, timeout=300)
-def test_compiled_uneven_sequence_matches_eager():
-    """fullgraph compile (aot_eager) of the block on a DTensor of uneven sequence shards, DTensor out: one graph,
-    no break, the outputs and gradients of eager bit for bit."""
+def test_compiled_uneven_sequence_and_features_match_eager():
+    """fullgraph compile (aot_eager) of the block on a DTensor of uneven sequence shards, DTensor out, with a
+    SwiGLU hidden size the TP degree does not divide: one graph, no break, the outputs and gradients of eager bit
+    for bit."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     mesh = _tp_mesh()
-    args = LlamaArgs()
+    args = LlamaArgs(ffn_hidden=97)
     torch.manual_seed(0)
     styles = block_plan("fastmesh")
     rowwise = FusedRowwiseParallel(use_local_output=False)
@@ -367,6 +374,113 @@ def test_uneven_sequence_fp8_rows_equal_the_even_runs_rows(world_size):
         (y, dx), (y_even, dx_even) = results
         torch.testing.assert_close(y, y_even[:, :rows], rtol=1e-6, atol=1e-6, msg=lambda m: f"{case}: output: {m}")
         torch.testing.assert_close(dx, dx_even[:, :rows], rtol=1e-6, atol=1e-6, msg=lambda m: f"{case}: grad x: {m}")
+
+
+# ---- in / out features the TP degree does not divide: torch's uneven weight shards ----
+
+
+def _integer_head(in_features: int, vocab: int, bias: bool) -> nn.Linear:
+    head = nn.Linear(in_features, vocab, bias=bias)
+    with torch.no_grad():
+        for i, p in enumerate(head.parameters()):
+            p.copy_(_small_ints(p.shape, 30 + i, -1, 2))
+    return head
+
+
+@on_ranks(2, 3, 4)
+def test_uneven_features_small_integers_bit_exact(world_size):
+    """Hidden sizes and vocabularies the TP degree does not divide (torch's uneven weight shards; one feature over
+    several ranks leaves some without any): a biased colwise -> rowwise pair in both plans, and LM heads (the
+    output's gather fused, or the input's) on sequence-sharded and replicated inputs, equal the unsharded module
+    bit for bit, forward and backward, with parameters placed as torch places them."""
+    mesh = _tp_mesh()
+    x = _small_ints((2, 2 * world_size, 12), 20, -1, 2)
+    cases = []  # (label, module, styles, the input's part, the output's part)
+    for hidden, sequence_parallel in itertools.product((1, 2 * world_size + 1, 3 * world_size - 1), (True, False)):
+        styles, part = _pair_plan(sequence_parallel)
+        label = f"pair, hidden {hidden}, sequence_parallel={sequence_parallel}"
+        cases.append((label, _integer_pair(12, hidden, torch.float32, seed=10), styles, part, part))
+    for bias, layout in itertools.product((False, True), (Shard(1), Replicate())):
+        head = _integer_head(12, 3 * world_size + 1, bias)
+        style = FusedColwiseParallel(input_layouts=layout, output_layouts=Replicate())
+        part = (lambda t: _shard(t, 1)) if isinstance(layout, Shard) else (lambda t: t)
+        cases.append((f"LM head, bias {bias}, input {layout}", head, style, part, lambda t: t))
+    for label, module, styles, part_in, part_out in cases:
+        xr = x.clone().requires_grad_()
+        want = module(xr)
+        grad_out = _small_ints(want.shape, 21, -1, 2)
+        (want * grad_out).sum().backward()
+        parallel = parallelize_module(copy.deepcopy(module), mesh, styles)
+        for name, param in parallel.named_parameters():
+            torch_placed = distribute_tensor(dict(module.named_parameters())[name].detach(), mesh, param.placements)
+            assert torch.equal(param.to_local(), torch_placed.to_local()), f"{label}: {name}"
+        xs = part_in(x).clone().requires_grad_()
+        y = parallel(xs)
+        (y * part_out(grad_out)).sum().backward()
+        assert torch.equal(y, part_out(want.detach())), label
+        assert torch.equal(xs.grad, part_in(xr.grad)), label
+        for name, grad in _full_grads(parallel).items():
+            assert torch.equal(grad, dict(module.named_parameters())[name].grad), f"{label}: grad {name}"
+        module.zero_grad()
+
+
+@on_ranks(2, 4)
+def test_uneven_ffn_hidden_llama_block_matches_unsharded(world_size):
+    """A SwiGLU hidden size the TP degree does not divide (97), in both fastmesh plans: the block equals the
+    unsharded block, outputs and gradients (fp32 tolerance). torch's own plans fail on it (2.14: its row-wise
+    matmul multiplies the padded local shard by the unpadded weight, "a and b must have same reduction dim")."""
+    mesh = _tp_mesh()
+    args = LlamaArgs(dim=64, n_heads=8, n_kv_heads=4, ffn_hidden=97)
+    torch.manual_seed(0)
+    unsharded = Block(args)
+    seq_len = 4 * world_size
+    x, grad_out = _randn((2, seq_len, args.dim), seed=1), _randn((2, seq_len, args.dim), seed=2)
+    rope = rope_tables(seq_len, args.head_dim, args.rope_theta)
+    want_y, want_dx, want_grads = _run_block(unsharded, x, rope, grad_out)
+    for plan in ("fastmesh", "fastmesh-plain"):
+        part = (lambda t: t) if plan.endswith("plain") else (lambda t: _shard(t, 1))
+        block = parallelize_module(copy.deepcopy(unsharded), mesh, block_plan(plan))
+        y, dx, grads = _run_block(block, part(x), rope, part(grad_out))
+        torch.testing.assert_close(y, part(want_y), **TOLERANCE, msg=lambda m: f"{plan}: output: {m}")
+        torch.testing.assert_close(dx, part(want_dx), **TOLERANCE, msg=lambda m: f"{plan}: grad x: {m}")
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name], **TOLERANCE, msg=lambda m: f"{plan}: {name}: {m}")
+
+
+def _sqnr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (20 * torch.log10(want.norm() / (got - want).norm())).item()
+
+
+@on_ranks(2, 3)
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "mx", "block1x128"])
+def test_uneven_features_fp8_track_high_precision(granularity, world_size):
+    """FP8 pairs whose hidden size the TP degree does not divide, in both plans, against the unsharded pair in
+    fp32: output and every gradient above 18 dB SQNR (measured 20-34 dB on 2 ranks); a misplaced or padding
+    column would be noise (about 0 dB)."""
+    if granularity == "rowwise" and TORCH_VERSION < (2, 13):
+        return  # torch < 2.13 runs only tensor-wise scales in torch._scaled_mm on CPU
+    mesh = _tp_mesh()
+    # MX blocks of 32 and 128x128 blocks along each rank's (padded) contraction.
+    hidden = {"mx": 64 * world_size - 1, "block1x128": 128 * world_size - 5}.get(granularity, 32 * world_size + 3)
+    fp8 = Float8Config(granularity=granularity)
+    torch.manual_seed(0)
+    unsharded = nn.Sequential(nn.Linear(128, hidden), nn.GELU(), nn.Linear(hidden, 128))
+    x, grad_out = _randn((2, 4 * world_size, 128), seed=1), _randn((2, 4 * world_size, 128), seed=2)
+    xr = x.clone().requires_grad_()
+    want = unsharded(xr)
+    (want * grad_out).sum().backward()
+    for sequence_parallel in (True, False):
+        styles, part = _pair_plan(sequence_parallel, names=("0", "2"), fp8=fp8)
+        model = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
+        xs = part(x).clone().requires_grad_()
+        y = model(xs)
+        (y * part(grad_out)).sum().backward()
+        case = f"{granularity}, hidden {hidden}, sequence_parallel={sequence_parallel}"
+        checks = {"output": (y, part(want.detach())), "grad x": (xs.grad, part(xr.grad))}
+        for name, grad in _full_grads(model).items():
+            checks[name] = (grad, dict(unsharded.named_parameters())[name].grad)
+        for what, (got, expected) in checks.items():
+            assert _sqnr_db(got, expected) > 18, (case, what, _sqnr_db(got, expected))
 
 
 # ---- single linears: layouts, DTensor in and out ----
@@ -1226,16 +1340,6 @@ def test_bad_plans_raise_clear_errors():
         "apply FusedColwiseParallel\\(\\) to the linear itself",
         lambda: apply(nn.Linear(8, 8), FusedColwiseParallel(linears=("proj",))),
     )
-    _raises(
-        ValueError,
-        f"out_features=7 must be divisible by the TP degree {world}",
-        lambda: apply(nn.Linear(8, 7), FusedColwiseParallel()),
-    )
-    _raises(
-        ValueError,
-        f"in_features=5 must be divisible by the TP degree {world}",
-        lambda: apply(nn.Linear(5, 8), FusedRowwiseParallel()),
-    )
     mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     _raises(
         ValueError, "must be given a 1-D device mesh", lambda: FusedColwiseParallel()._apply(nn.Linear(8, 8), mesh_2d)
@@ -1268,6 +1372,12 @@ def test_bad_plans_raise_clear_errors():
     )
     _raises(
         ValueError,
+        f"FusedRowwiseParallel: fp8 granularity 'mx' needs each rank's contraction \\(the module.in_features = "
+        f"{40 * world - 1} over {world} ranks, padded to 40\\) to be a multiple of 32",
+        lambda: apply(nn.Linear(40 * world - 1, 64), FusedRowwiseParallel(fp8=Float8Config(granularity="mx"))),
+    )
+    _raises(
+        ValueError,
         "FusedColwiseParallel: fp8 granularity 'mx' needs each rank's contraction \\(the module.in_features = 48\\)",
         lambda: apply(nn.Linear(48, 64), FusedColwiseParallel(fp8=Float8Config(granularity="mx"))),
     )
@@ -1295,8 +1405,8 @@ def test_bad_plans_raise_clear_errors():
     )
     _raises(
         ValueError,
-        f"FusedRowwiseParallel: the module's input has 8 features .*expected {8 // world} per rank \\(in_features 8 "
-        f"/ TP degree {world}",
+        f"FusedRowwiseParallel: the module's input has 8 features .*expected {8 // world} on this rank \\(its piece "
+        f"of in_features 8 over TP degree {world}",
         lambda: rowwise(torch.randn(2, 4, 8)),
     )
     shared = apply(_QK(), FusedColwiseParallel(linears=("wq", "wk")))

@@ -13,9 +13,10 @@ matmul_all_gather           a ``Replicate()`` (grad: ``Partial()``);  ``Replicat
                             b plain or ``Shard(1)``
 ==========================  ======================================  ===================================
 
-``to_local`` / ``from_local`` are differentiable, so gradients flow back to the DTensor inputs. A gathered or
-scattered dim the mesh size does not divide (torch's uneven sharding; not the contraction) runs the op on equal
-shards padded with zero rows, and the results drop the padding (:mod:`fastmesh.ops._shards`).
+``to_local`` / ``from_local`` are differentiable, so gradients flow back to the DTensor inputs. A sharded dim
+the mesh size does not divide (torch's uneven sharding: gathered or scattered rows, a sharded contraction, b's
+columns; not a gathered contraction) runs the op on equal shards padded with zeros, and the results drop the
+padding (:mod:`fastmesh.ops._shards`): every rank calls the op with the same shapes.
 """
 
 from __future__ import annotations
@@ -99,13 +100,16 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
             f"{op}: a_shard is sharded unevenly along its last dim (the contraction): its global size {rows} is "
             f"not divisible by the mesh size {mesh.size()}"
         )
-    a_local = _shards.shard_to_gather(a_shard.to_local(), dim, rows, mesh, f"{op}: a_shard")
-    locals_, placements = [], []
+    a_local = _shards.even_shard(a_shard.to_local(), dim, rows, mesh, f"{op}: a_shard")
+    locals_, placements, columns = [], [], []
     for i, b in enumerate(bs):
         allowed = (Replicate(),) if contraction else (Replicate(), Shard(1))
         local, placement = _local_b(
             b, mesh, op, f"bs[{i}]", allowed, "Replicate()" if contraction else "Replicate() or Shard(1)"
         )
+        columns.append(local.shape[-1])
+        if placement == Shard(1):  # torch's uneven columns: padded, dropped from the product
+            local = _shards.even_shard(local, 1, b.shape[1], mesh, f"{op}: bs[{i}]")
         locals_.append(local)
         placements.append(placement)
     a_local, outs = front(a_local, locals_, dim, group=mesh, return_a=return_a, pieces=pieces, fp8=fp8)
@@ -115,10 +119,11 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
 
     full_shape = list(a_shard.shape)
     out_dtensors = []
-    for b, local, out, placement in zip(bs, locals_, outs, placements):
-        n = b.shape[1] if is_dtensor(b) else local.shape[1]
+    for b, out, placement, n_local in zip(bs, outs, placements, columns):
+        n = b.shape[1] if is_dtensor(b) else n_local
         if placement == Shard(1):  # column-sharded: each rank's gradient is its part of the sum
-            out_dtensors.append(wrap_local(unpadded(out), mesh, Shard(out.dim() - 1), full_shape[:-1] + [n]))
+            out = _shards.first_rows(unpadded(out), out.dim() - 1, n_local)
+            out_dtensors.append(wrap_local(out, mesh, Shard(out.dim() - 1), full_shape[:-1] + [n]))
         else:
             out = _shards.count_replicated_grad_once(unpadded(out), mesh)
             out_dtensors.append(wrap_local(out, mesh, Replicate(), full_shape[:-1] + [n]))
@@ -129,8 +134,8 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
 
 
 def _contraction_sharded(a, b, group, op: str):
-    """(mesh, b's local tensor) of a matmul whose contraction is sharded: a ``Shard(-1)``, b plain or
-    ``Shard(0)``."""
+    """(mesh, a's and b's local tensors) of a matmul whose contraction is sharded: a ``Shard(-1)``, b plain or
+    ``Shard(0)``; torch's uneven pieces of the contraction padded to equal ones."""
     if not is_dtensor(a):
         raise TypeError(f"{op}: b is a DTensor, so a must be a DTensor placed Shard(-1) too, got a {type(a).__name__}")
     mesh = _mesh_of(a, op, "a")
@@ -141,27 +146,29 @@ def _contraction_sharded(a, b, group, op: str):
             f"row-parallel layer's input), got {a.placements[0]!r}"
         )
     b_local, _ = _local_b(b, mesh, op, "b", (Shard(0),), "Shard(0) (rows matching a's shards)")
-    return mesh, b_local
+    a_local, b_local = _shards.even_contraction(a.to_local(), b_local, a.shape[-1], mesh, op)
+    return mesh, a_local, b_local
 
 
 def matmul_reduce_scatter(front, a, b, scatter_dim, group, reduce_op, pieces, fp8):
     op = "fastmesh.matmul_reduce_scatter"
-    mesh, b_local = _contraction_sharded(a, b, group, op)
+    mesh, a_local, b_local = _contraction_sharded(a, b, group, op)
     dim = wrap_dim(scatter_dim, a.dim(), op, "scatter_dim", "a")
-    rows, a_local = a.shape[dim], a.to_local()
-    if dim < a.dim() - 1:  # torch's uneven sharding of rows: scattered padded, the padding dropped
-        a_local = _shards.rows_to_scatter(a_local, dim, mesh.size())
-    out = front(a_local, b_local, scatter_dim, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
-    if dim < a.dim() - 1:
-        out = _shards.own_part(out, dim, rows, mesh)
     n = b.shape[1] if is_dtensor(b) else b_local.shape[1]
+    # torch's uneven sharding of the scattered rows (or columns): scattered padded, the padding dropped
+    if dim < a.dim() - 1:
+        rows, a_local = a.shape[dim], _shards.rows_to_scatter(a_local, dim, mesh.size())
+    else:
+        rows, b_local = n, _shards.rows_to_scatter(b_local, 1, mesh.size())
+    out = front(a_local, b_local, scatter_dim, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
+    out = _shards.own_part(out, dim, rows, mesh)
     return wrap_local(out, mesh, Shard(dim), list(a.shape[:-1]) + [n])
 
 
 def matmul_all_reduce(front, a, b, group, reduce_op, pieces, fp8):
     op = "fastmesh.matmul_all_reduce"
-    mesh, b_local = _contraction_sharded(a, b, group, op)
-    out = front(a.to_local(), b_local, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
+    mesh, a_local, b_local = _contraction_sharded(a, b, group, op)
+    out = front(a_local, b_local, group=mesh, reduce_op=reduce_op, pieces=pieces, fp8=fp8)
     n = b.shape[1] if is_dtensor(b) else b_local.shape[1]
     return wrap_local(out, mesh, Replicate(), list(a.shape[:-1]) + [n])
 
@@ -179,6 +186,10 @@ def matmul_all_gather(front, a, b, group, pieces):
             f"{op}: a must be placed Replicate() (a column-parallel layer's input), got {a.placements[0]!r}"
         )
     b_local, _ = _local_b(b, mesh, op, "b", (Shard(1),), "Shard(1) (this rank's columns)")
+    if is_dtensor(b):  # torch's uneven columns: padded, and the padding dropped from the gathered product
+        b_local = _shards.even_shard(b_local, 1, b.shape[1], mesh, f"{op}: b")
     # Each rank's gradient of a is its columns' part: partial, summed where a was made replicated.
     out = front(a.to_local(grad_placements=[Partial()]), b_local, group=mesh, pieces=pieces)
+    if is_dtensor(b):
+        out = _shards.first_rows(out, out.dim() - 1, b.shape[1])
     return wrap_local(out, mesh, Replicate(), list(out.shape))

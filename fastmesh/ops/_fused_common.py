@@ -48,7 +48,9 @@ def check_same_shapes(group_name: str, op: str, tensors: dict[str, torch.Tensor]
     (argument name -> tensor) has the same shape and dtype on every rank of the group: one small all-gather on the
     first call of each op and arguments on a CPU group, or on every call with ``FASTMESH_SHAPE_CHECK=every``
     (``csrc/fused/process_group.h``; docs/errors.md). Called before the ranks agree on a plan: ranks whose calls
-    differ must all fail here, not in the planner or the pipeline."""
+    differ must all fail here, not in the planner or the pipeline. Every operand is checked, not only what
+    travels: the ranks agree on a plan once per shape, so operands that differ across ranks (a contraction split
+    unevenly) would leave one rank waiting for an agreement the others think they have."""
     _cpp_lib.load().check_same_shapes_on_all_ranks(list(tensors.values()), list(tensors), group_name, op)
 
 

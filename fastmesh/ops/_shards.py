@@ -9,7 +9,9 @@ after the last full one are short, the padded shards gather to the ``n`` rows fo
 end to ``w * ceil(n / w)`` scatter into each rank's piece followed by padding. A zero row changes no other row of a
 product (a row of ``a @ b`` reads only its own row of ``a``), nor another row's FP8 scale (a tensor-wise amax
 ignores zeros; the other scales are per row or block), so both are exact; autograd carries the padding and the
-slicing.
+slicing. "Rows" are any sharded dim: a weight's rows or columns are padded alike, and a contraction split unevenly
+is padded on both operands (:func:`even_contraction`). Equal shapes matter beyond the transfers: the ranks agree
+on a fused call's plan once per shape.
 
 Replicated results. The backward of an all-gather + matmul sums the gathered input's gradients over the ranks (a
 reduce-scatter): right for column-sharded products, whose ranks hold different parts of the gradient, but a
@@ -34,7 +36,8 @@ def own_rows(n: int, world: int, rank: int) -> int:
     return max(0, min(full, n - rank * full))
 
 
-def _pad_rows(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended along ``dim`` up to ``rows`` (``x`` itself when it has them)."""
     missing = rows - x.shape[dim]
     if missing == 0:
         return x
@@ -49,10 +52,10 @@ def first_rows(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
     return x if x.shape[dim] == rows else x.narrow(dim, 0, rows).contiguous()
 
 
-def shard_to_gather(x_shard: torch.Tensor, dim: int, n: int, mesh: DeviceMesh, what: str) -> torch.Tensor:
-    """This rank's shard of ``n`` rows along ``dim`` as an equal shard to gather: itself when ``mesh.size()``
-    divides ``n``, else checked to be torch's piece (a DTensor made by ``from_local(shape=...)`` may not be) and
-    padded to a full shard. The first ``n`` rows of the gathered results are the answer."""
+def even_shard(x_shard: torch.Tensor, dim: int, n: int, mesh: DeviceMesh, what: str) -> torch.Tensor:
+    """This rank's shard of ``n`` rows along ``dim`` as an equal shard: itself when ``mesh.size()`` divides ``n``,
+    else checked to be torch's piece (a DTensor made by ``from_local(shape=...)`` may not be) and padded to a full
+    shard. Gathered, the first ``n`` rows are the answer."""
     world = mesh.size()
     if n % world == 0:
         return x_shard
@@ -64,17 +67,33 @@ def shard_to_gather(x_shard: torch.Tensor, dim: int, n: int, mesh: DeviceMesh, w
             f"{expected} of them (torch.chunk's piece: {full_rows(n, world)} per rank, the last ranks fewer), "
             f"but holds {x_shard.shape[dim]}"
         )
-    return _pad_rows(x_shard, dim, full_rows(n, world))
+    return pad_rows(x_shard, dim, full_rows(n, world))
+
+
+def even_contraction(
+    a: torch.Tensor, b: torch.Tensor, k: int, mesh: DeviceMesh, what: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a [..., K_r]`` and ``b [K_r, N]``, this rank's pieces of a contraction of ``k`` sharded as torch shards it,
+    padded with zeros to equal shards of ``ceil(k / world)``: a padded column of ``a`` meets only padded rows of
+    ``b``, so the product is the same. Equal shapes matter beyond the transfers: the ranks agree on a fused call's
+    plan once per shape, so a rank whose shapes repeat where another's differ would wait for an agreement."""
+    padded = even_shard(a, a.dim() - 1, k, mesh, f"{what}: a")
+    if padded is a:
+        return a, b
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{what}: b must have {a.shape[-1]} rows (a's local last dim), got shape {list(b.shape)}")
+    return padded, pad_rows(b, 0, padded.shape[-1])
 
 
 def rows_to_scatter(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
     """``x`` padded along ``dim`` to a multiple of ``world`` rows, to scatter in equal shards; follow with
     :func:`own_part`."""
-    return _pad_rows(x, dim, world * full_rows(x.shape[dim], world))
+    return pad_rows(x, dim, world * full_rows(x.shape[dim], world))
 
 
 def own_part(shard: torch.Tensor, dim: int, n: int, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's piece of ``n`` rows scattered along ``dim`` in padded equal shards (:func:`rows_to_scatter`)."""
+    """This rank's piece of ``n`` rows along ``dim`` from its padded equal shard: of a scatter
+    (:func:`rows_to_scatter`), or of a product of padded weight rows (:func:`even_shard`)."""
     world = mesh.size()
     if n % world == 0:
         return shard

@@ -155,7 +155,7 @@ def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=Fals
 
     if world == 1:
         return run(plans.FIXED)
-    check_same_shapes(group_name, _AG, {"a_shard": a_shard})
+    check_same_shapes(group_name, _AG, {"a_shard": a_shard, **{f"bs[{i}]": b for i, b in enumerate(bs)}})
     if a_shard.numel() == 0:
         return run(plans.FIXED)
     measuring = plans.mode() == "measure"
@@ -186,7 +186,7 @@ def _matmul_reduce_scatter_kernel(a, b, scatter_dim, reduce_op, group_name, piec
     if world == 1:
         return run(plans.FIXED)
     product = scattered_shape(a.shape, b.shape[1], dim, world)  # what travels: its shape, not its values
-    check_same_shapes(group_name, _RS, {"a @ b": a.new_empty(()).expand(product)})
+    check_same_shapes(group_name, _RS, {"a @ b": a.new_empty(()).expand(product), "a": a, "b": b})
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
     return run(plans.decide(scatter_plan_call(a, b, dim, group_name), pieces, run).plan)

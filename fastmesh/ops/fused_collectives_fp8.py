@@ -195,7 +195,8 @@ def _all_gather_scaled_matmul_kernel(
     if group.size() == 1:
         return run(plans.FIXED)
     # Row-wise and tensor-wise shards cannot meet in one gathered a: a_scale is compared too.
-    check_same_shapes(group_name, _AG, {"a_shard": a_shard, "a_scale": a_scale})
+    bs_shapes = {f"bs[{i}]": b for i, b in enumerate(bs)}
+    check_same_shapes(group_name, _AG, {"a_shard": a_shard, "a_scale": a_scale, **bs_shapes})
     if a_shard.numel() == 0:
         return run(plans.FIXED)
     return run(
@@ -224,7 +225,7 @@ def _scaled_matmul_reduce_scatter_kernel(
     if group.size() == 1:
         return run(plans.FIXED)
     product = scattered_shape(a.shape, b.shape[1], dim, group.size())
-    check_same_shapes(group_name, _RS, {"a @ b": a.new_empty((), dtype=out_dtype).expand(product)})
+    check_same_shapes(group_name, _RS, {"a @ b": a.new_empty((), dtype=out_dtype).expand(product), "a": a, "b": b})
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
     call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, group_name, out_dtype, layouts)

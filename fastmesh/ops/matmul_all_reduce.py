@@ -7,7 +7,7 @@ Plain-PyTorch equivalent (``W`` the size of the group named by ``group_name``)::
     dist.all_reduce(c, group)            # "avg": then c / W
     result = c                           # the same on every rank
 
-Shapes (``...`` any leading dims; every rank passes the same product shape)::
+Shapes (``...`` any leading dims; every rank passes the same shapes)::
 
     a [..., K]   (K: this rank's part of the contraction)   b [K, N]   result [..., N]
 
@@ -118,7 +118,7 @@ def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
 
     if world == 1:
         return run(plans.FIXED)
-    check_same_shapes(group_name, _OP, {"a @ b": a.new_empty(()).expand(_product_shape(a, b))})
+    check_same_shapes(group_name, _OP, {"a @ b": a.new_empty(()).expand(_product_shape(a, b)), "a": a, "b": b})
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
     return run(plans.decide(plan_call(a, b, group_name), pieces, run).plan)
@@ -137,7 +137,8 @@ def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_na
 
     if world == 1:
         return run(plans.FIXED)
-    check_same_shapes(group_name, _SOP, {"a @ b": a.new_empty((), dtype=out_dtype).expand(_product_shape(a, b))})
+    product = a.new_empty((), dtype=out_dtype).expand(_product_shape(a, b))
+    check_same_shapes(group_name, _SOP, {"a @ b": product, "a": a, "b": b})
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
     return run(plans.decide(scaled_plan_call(a, a_scale, b, b_scale, group_name, out_dtype, layouts), pieces, run).plan)

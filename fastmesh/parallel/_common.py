@@ -13,6 +13,7 @@ from fastmesh.ops._checks import MX, MX_BLOCK
 from fastmesh.ops._dtensor import wrap_local
 from fastmesh.ops._fp8_operands import OUT_DTYPES, check_config
 from fastmesh.ops._fused_common import check_pieces, resolve_pieces
+from fastmesh.ops._shards import full_rows, own_rows
 
 
 def check_sequence_placement(placement, style: str, arg: str, allow_replicate: bool) -> Placement:
@@ -60,16 +61,18 @@ def check_linear_names(linears, style: str) -> tuple[str, ...] | None:
 
 
 def check_input_features(
-    x: torch.Tensor, in_features: int, style: str, what: str, tp: int = 1, linears: tuple | None = None
+    x: torch.Tensor, in_features: int, style: str, what: str, mesh: DeviceMesh | None = None, linears=None
 ) -> None:
     """The input's last dim is what the linear multiplies, named in the style's words rather than the fused op's:
-    ``in_features``, or this rank's ``in_features / tp`` for a column-sharded input (``tp`` > 1); ``linears``: the
-    siblings of a shared gather, whose in_features it is. The message is built only for a mismatch."""
-    expected = in_features // tp
+    ``in_features``, or for a column-sharded input this rank's piece of them over ``mesh`` (torch's: even, or
+    ``ceil(in_features / tp)`` on the first ranks); ``linears``: the siblings of a shared gather, whose in_features
+    it is. The message is built only for a mismatch."""
+    tp = 1 if mesh is None else mesh.size()
+    expected = in_features // tp if in_features % tp == 0 else own_rows(in_features, tp, mesh.get_local_rank())
     if x.shape[-1] == expected:
         return
     if tp > 1:
-        why = f" per rank (in_features {in_features} / TP degree {tp}: a colwise output's columns)"
+        why = f" on this rank (its piece of in_features {in_features} over TP degree {tp}: a colwise output's columns)"
     else:
         why = f" (the in_features of {linears})" if linears else " (its in_features)"
     raise ValueError(
@@ -79,14 +82,11 @@ def check_input_features(
 
 
 def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_features: str, fp8) -> nn.Linear:
-    """``module`` is an ``nn.Linear`` whose ``sharded_features`` divide by the TP degree and whose dtype the
-    fp8 config (if any) can serve."""
+    """``module`` is an ``nn.Linear`` whose dtype the fp8 config (if any) can serve. Its ``sharded_features`` need
+    not divide by the TP degree: torch's uneven shards are padded to equal ones for the fused ops."""
     if not isinstance(module, nn.Linear):
         raise TypeError(f"{style}: {what} must be an nn.Linear, got {type(module).__name__}")
     tp = mesh.size()
-    features = getattr(module, sharded_features)
-    if features % tp:
-        raise ValueError(f"{style}: {what}.{sharded_features}={features} must be divisible by the TP degree {tp}")
     if isinstance(module.weight, DTensor):
         raise ValueError(
             f"{style}: {what} is already parallelized (its weight is a DTensor placed "
@@ -97,12 +97,17 @@ def check_linear(module, style: str, what: str, mesh: DeviceMesh, sharded_featur
             f"{style}: fp8 cannot serve {what}'s dtype {module.weight.dtype}: FP8 matmuls produce "
             "float32, bfloat16 or float16; convert the module or drop fp8"
         )
-    # MX blocks run along each rank's contraction: all of in_features column-wise, its TP shard row-wise.
-    contraction = module.in_features // tp if sharded_features == "in_features" else module.in_features
+    # MX blocks run along each rank's contraction: all of in_features column-wise, its (padded) TP shard row-wise.
+    contraction = full_rows(module.in_features, tp) if sharded_features == "in_features" else module.in_features
     if fp8 is not None and fp8.granularity == MX and contraction % MX_BLOCK:
+        if contraction == module.in_features:
+            per_rank = f"{what}.in_features = {contraction}"
+        elif module.in_features % tp == 0:
+            per_rank = f"{what}.in_features / {tp} = {contraction}"
+        else:  # torch's uneven pieces, padded to the largest
+            per_rank = f"{what}.in_features = {module.in_features} over {tp} ranks, padded to {contraction}"
         raise ValueError(
-            f"{style}: fp8 granularity 'mx' needs each rank's contraction ({what}.in_features"
-            f"{f' / {tp}' if contraction != module.in_features else ''} = {contraction}) to be a multiple of "
+            f"{style}: fp8 granularity 'mx' needs each rank's contraction ({per_rank}) to be a multiple of "
             f"{MX_BLOCK}; pick another granularity for this linear"
         )
     return module

@@ -28,7 +28,8 @@ DCP and FSDP2 see what they see under the native plan.
 
 A sequence length ``S`` the TP degree does not divide (a DTensor input's, or the rowwise input's whole sequence)
 runs on torch's uneven shards (``ceil(S/tp)`` rows per rank, the last ranks fewer or none), padded with zero rows
-for the fused ops and the padding dropped from their results (:mod:`fastmesh.ops._shards`).
+for the fused ops and the padding dropped from their results (:mod:`fastmesh.ops._shards`); so do ``out_features``
+/ ``in_features`` the TP degree does not divide (weights sharded as torch shards them, padded for the fused ops).
 
 Errors: a bad keyword raises ``TypeError`` / ``ValueError`` naming the style when it is built, a module it
 cannot serve when it is applied, an input it cannot take at the forward; all before any collective.
@@ -53,7 +54,8 @@ from fastmesh._log import log_once
 from fastmesh.mesh import group_name
 from fastmesh.ops import all_gather_matmul, autocast, matmul_all_gather, matmul_all_reduce, matmul_reduce_scatter
 from fastmesh.ops._collectives import all_gather
-from fastmesh.ops._shards import first_rows, own_part, rows_to_scatter, shard_to_gather
+from fastmesh.ops._dtensor import wrap_local
+from fastmesh.ops._shards import even_contraction, even_shard, first_rows, own_part, rows_to_scatter
 from fastmesh.ops.replicated_input import replicated_input_matmul
 from fastmesh.parallel._common import (
     as_output,
@@ -170,15 +172,33 @@ class FusedColwiseParallel(ParallelStyle):
         a DTensor's may be uneven), or a ``Replicate()`` DTensor."""
         return local_input(x, mesh, self.input_layouts[0], _COLWISE)
 
-    def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh):
-        """This rank's columns, local or a ``Shard(-1)`` DTensor; or, for ``output_layouts=Replicate()``, every
-        column, gathered as torch's ColwiseParallel gathers them (a DTensor redistribution, whose backward
+    def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh, n: int):
+        """This rank's columns of ``n``, local or a ``Shard(-1)`` DTensor; or, for ``output_layouts=Replicate()``,
+        every column, gathered as torch's ColwiseParallel gathers them (a DTensor redistribution, whose backward
         keeps this rank's columns of the gradient: no communication)."""
-        columns = Shard(out.dim() - 1)
+        columns, shape = Shard(out.dim() - 1), [*out.shape[:-1], n]
         if isinstance(self.output_layouts[0], Replicate):
-            full = DTensor.from_local(out, mesh, [columns], run_check=False).redistribute(mesh, [Replicate()])
+            full = wrap_local(out, mesh, columns, shape).redistribute(mesh, [Replicate()])
             return full.to_local() if self.use_local_output else full
-        return as_output(out, mesh, columns, self.use_local_output)
+        return as_output(out, mesh, columns, self.use_local_output, shape)
+
+    def _local_weights(self, mesh: DeviceMesh, named_linears) -> list[torch.Tensor]:
+        """Each linear's weight rows on this rank, as equal shards: torch's uneven pieces of an ``out_features`` the
+        TP degree does not divide padded with zero rows, whose columns :meth:`_column_outputs` drops."""
+        return [
+            even_shard(local_parameter(linear, "weight", _COLWISE, name), 0, linear.out_features, mesh, name)
+            for name, linear in named_linears
+        ]
+
+    def _column_outputs(self, mesh: DeviceMesh, named_linears, outs) -> list:
+        """Each linear's product of padded weight rows (:meth:`_local_weights`) as the module's output: this rank's
+        columns, plus their bias, in the output layout."""
+        results = []
+        for (name, linear), out in zip(named_linears, outs):
+            out = own_part(out, out.dim() - 1, linear.out_features, mesh)
+            bias = local_parameter(linear, "bias", _COLWISE, name)
+            results.append(self._prepare_output_fn(_plus_bias(out, bias), mesh, linear.out_features))
+        return results
 
     def _partition_linear_fn(self, linear: nn.Linear, mesh: DeviceMesh) -> None:
         shard_parameters(linear, mesh, Shard(0), Shard(0), self.src_data_rank)
@@ -208,15 +228,15 @@ class FusedColwiseParallel(ParallelStyle):
         length of an input DTensor, whose shard may be uneven (padded to gather: :mod:`fastmesh.ops._shards`)."""
         dim = sequence_dim(placement, x_shard, _COLWISE, "the input's")
         rows = x_shard.shape[dim] * mesh.size() if rows is None else rows
-        x_shard = shard_to_gather(x_shard, dim, rows, mesh, f"{_COLWISE}: the input")
+        x_shard = even_shard(x_shard, dim, rows, mesh, f"{_COLWISE}: the input")
         if self._gathers_output(named_linears, return_a):
             # The input gathered by a plain all-gather (its backward reduce-scatters the partial gradient).
-            (name, linear), group = named_linears[0], group_name(mesh)
-            weight = local_parameter(linear, "weight", _COLWISE, name)  # no bias: _gathers_output
+            (_, linear), group = named_linears[0], group_name(mesh)
+            (weight,) = self._local_weights(mesh, named_linears)  # no bias: _gathers_output
             x = first_rows(all_gather(x_shard, dim, group), dim, rows)
             out = matmul_all_gather(x, weight.t(), group=group, pieces=self.pieces)
-            return None, [self._gathered_output(out, mesh)]
-        weights = [local_parameter(linear, "weight", _COLWISE, name) for name, linear in named_linears]
+            return None, [self._gathered_output(out, mesh, linear.out_features)]
+        weights = self._local_weights(mesh, named_linears)
         a, outs = all_gather_matmul(
             x_shard,
             [w.t() for w in weights],
@@ -226,14 +246,13 @@ class FusedColwiseParallel(ParallelStyle):
             pieces=self.pieces,
             fp8=self.fp8,
         )
-        results = []
-        for (name, linear), out in zip(named_linears, outs):
-            bias = local_parameter(linear, "bias", _COLWISE, name)
-            results.append(self._prepare_output_fn(_plus_bias(first_rows(out, dim, rows), bias), mesh))
-        return (None if a is None else first_rows(a, dim, rows)), results
+        outs = [first_rows(out, dim, rows) for out in outs]
+        return (None if a is None else first_rows(a, dim, rows)), self._column_outputs(mesh, named_linears, outs)
 
-    def _gathered_output(self, out: torch.Tensor, mesh: DeviceMesh):
-        """The gathered product (every column), local or a ``Replicate()`` DTensor."""
+    def _gathered_output(self, out: torch.Tensor, mesh: DeviceMesh, n: int):
+        """The gathered product of padded weight rows as every column of ``n``, local or a ``Replicate()``
+        DTensor."""
+        out = first_rows(out, out.dim() - 1, n)
         return out if self.use_local_output else DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
     def _replicated_matmul(self, mesh: DeviceMesh, named_linears, x: torch.Tensor) -> list:
@@ -241,16 +260,12 @@ class FusedColwiseParallel(ParallelStyle):
         multiplies its columns locally (or, with ``output_layouts=Replicate()``, gathers them as it multiplies).
         The input's gradient, summed over the ranks as torch's ColwiseParallel sums it (one all-reduce for all
         the linears), is fused into its matmul. FP8: :mod:`fastmesh.ops.replicated_input`."""
-        weights = [local_parameter(linear, "weight", _COLWISE, name) for name, linear in named_linears]
+        weights = self._local_weights(mesh, named_linears)
         gathered = self._gathers_output(named_linears, return_a=False)
         outs = replicated_input_matmul(x, weights, group_name(mesh), self.pieces, gathered, self.fp8)
         if gathered:
-            return [self._gathered_output(outs[0], mesh)]
-        results = []
-        for (name, linear), out in zip(named_linears, outs):
-            bias = local_parameter(linear, "bias", _COLWISE, name)
-            results.append(self._prepare_output_fn(_plus_bias(out, bias), mesh))
-        return results
+            return [self._gathered_output(outs[0], mesh, named_linears[0][1].out_features)]
+        return self._column_outputs(mesh, named_linears, outs)
 
     def _replicated_dtensor_matmul(self, linear: nn.Linear, x: DTensor):
         """A ``Replicate()`` DTensor input: the matmul runs as torch's ColwiseParallel runs it. Its gradient stays
@@ -258,14 +273,17 @@ class FusedColwiseParallel(ParallelStyle):
         reduce-scatter), so it is not all-reduced here. In FP8, the local FP8 matmul of a replicated plain tensor,
         its input gradient left partial."""
         if self.fp8 is not None:
-            mesh = x.device_mesh
-            weight = local_parameter(linear, "weight", _COLWISE, "the module")
+            mesh, named_linears = x.device_mesh, [("the module", linear)]
             local = x.to_local(grad_placements=[Partial()])
-            (out,) = replicated_input_matmul(
-                local, [weight], group_name(mesh), self.pieces, fp8=self.fp8, reduce_input_grad=False
+            outs = replicated_input_matmul(
+                local,
+                self._local_weights(mesh, named_linears),
+                group_name(mesh),
+                self.pieces,
+                fp8=self.fp8,
+                reduce_input_grad=False,
             )
-            bias = local_parameter(linear, "bias", _COLWISE, "the module")
-            return self._prepare_output_fn(_plus_bias(out, bias), mesh)
+            return self._column_outputs(mesh, named_linears, outs)[0]
         out = F.linear(x, linear.weight, linear.bias)
         if isinstance(self.output_layouts[0], Replicate):
             out = out.redistribute(x.device_mesh, [Replicate()])
@@ -398,15 +416,18 @@ class FusedRowwiseParallel(ParallelStyle):
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh):
         """The forward of a linear under this style."""
         x = self._prepare_input_fn(x, mesh)
-        check_input_features(x, linear.in_features, _ROWWISE, "the module", tp=mesh.size())
+        check_input_features(x, linear.in_features, _ROWWISE, "the module", mesh=mesh)
         weight = local_parameter(linear, "weight", _ROWWISE, "the module")
+        # in_features the TP degree does not divide: torch's uneven pieces of the contraction, padded to equal ones.
+        a, b = even_contraction(x, weight.t(), linear.in_features, mesh, _ROWWISE)
         if isinstance(self.output_layouts[0], Replicate):
-            out = matmul_all_reduce(x, weight.t(), group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
+            out = matmul_all_reduce(a, b, group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
             return self._prepare_output_fn(out, mesh, Replicate(), linear.bias)
         dim = sequence_dim(self.output_layouts[0], x, _ROWWISE, "output_layouts")
         # A sequence the TP degree does not divide leaves in torch's uneven shards (padded to scatter).
-        padded = rows_to_scatter(x, dim, mesh.size())
-        out = matmul_reduce_scatter(padded, weight.t(), dim, group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
+        out = matmul_reduce_scatter(
+            rows_to_scatter(a, dim, mesh.size()), b, dim, group=group_name(mesh), pieces=self.pieces, fp8=self.fp8
+        )
         shape = [*x.shape[:-1], linear.out_features]
         return self._prepare_output_fn(own_part(out, dim, x.shape[dim], mesh), mesh, Shard(dim), linear.bias, shape)
 
