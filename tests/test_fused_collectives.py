@@ -500,7 +500,7 @@ def test_dtensor_fronts_run_torchs_uneven_shards_with_torchs_gradients(world_siz
     """Gathered and scattered dims the mesh size does not divide (torch's uneven shards; ranks without rows
     among them) give torch's DTensor results, placements and local shards bit for bit (small integers), and the
     inputs' gradients of torch's redistribute + matmul: replicated results, whose gradient every rank holds whole,
-    count it once."""
+    count it once for a, while each rank's replicated b (plain or a ``Replicate()`` DTensor) gets the whole one."""
     mesh = _tp_mesh()
     for rows in (1, world_size + 1, 2 * world_size - 1, 2 * world_size):
         for shape, dim in (((rows, 8), 0), ((2, rows, 8), 1), ((rows, 3, 8), 0)):
@@ -509,17 +509,21 @@ def test_dtensor_fronts_run_torchs_uneven_shards_with_torchs_gradients(world_siz
             w_rep = small_ints((8, 5), torch.float32, seed=1)
             w_col = distribute_tensor(small_ints((8, 2 * world_size), torch.float32, seed=2), mesh, [Shard(1)])
             x_fm = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_()
-            got = fastmesh.all_gather_matmul(x_fm, [w_rep, w_col], dim, return_a=True)
+            w_plain, w_dtensor = w_rep.clone().requires_grad_(), distribute_tensor(w_rep, mesh, [Replicate()])
+            got = fastmesh.all_gather_matmul(x_fm, [w_plain, w_dtensor.requires_grad_(), w_col], dim, return_a=True)
             got = [got[0], *got[1]]
             x_torch = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_()
+            w_torch = [distribute_tensor(w_rep, mesh, [Replicate()]).requires_grad_() for _ in range(2)]
             a = x_torch.redistribute(mesh, [Replicate()])
-            want = [a, a @ distribute_tensor(w_rep, mesh, [Replicate()]), a @ w_col]
+            want = [a, a @ w_torch[0], a @ w_torch[1], a @ w_col]
             for g, t in zip(got, want):
                 assert g.placements == t.placements and g.shape == t.shape, (case, g, t)
                 assert torch.equal(g.to_local(), t.to_local()), case
             _loss(got, seed=3).backward()
             _loss(want, seed=3).backward()
             assert torch.equal(x_fm.grad.to_local(), x_torch.grad.to_local()), case
+            assert torch.equal(w_plain.grad, w_torch[0].grad.to_local()), case
+            assert torch.equal(w_dtensor.grad.to_local(), w_torch[1].grad.to_local()), case
 
             # Row-parallel: a's contraction sharded, the product reduce-scattered along dim.
             h = small_ints((*shape[:-1], 4 * world_size), torch.float32, seed=4)

@@ -112,25 +112,31 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
             local = _shards.even_shard(local, 1, b.shape[1], mesh, f"{op}: bs[{i}]")
         locals_.append(local)
         placements.append(placement)
-    a_local, outs = front(a_local, locals_, dim, group=mesh, return_a=return_a, pieces=pieces, fp8=fp8)
+    # A replicated product's b gets its gradient from replicated_product (whole, on every rank), not the op.
+    own_grad = [
+        p != Shard(1) and local.requires_grad and torch.is_grad_enabled() for p, local in zip(placements, locals_)
+    ]
+    op_bs = [local.detach() if own else local for local, own in zip(locals_, own_grad)]
+    gathered, outs = front(a_local, op_bs, dim, group=mesh, return_a=return_a or any(own_grad), pieces=pieces, fp8=fp8)
 
     def unpadded(t):  # a gathered contraction is even, and not the products' last dim
         return t if contraction else _shards.first_rows(t, dim, rows)
 
     full_shape = list(a_shard.shape)
     out_dtensors = []
-    for b, out, placement, n_local in zip(bs, outs, placements, columns):
+    a_rows = None if gathered is None else unpadded(gathered)
+    for b, local, out, placement, n_local, own in zip(bs, locals_, outs, placements, columns, own_grad):
         n = b.shape[1] if is_dtensor(b) else n_local
         if placement == Shard(1):  # column-sharded: each rank's gradient is its part of the sum
             out = _shards.first_rows(unpadded(out), out.dim() - 1, n_local)
             out_dtensors.append(wrap_local(out, mesh, Shard(out.dim() - 1), full_shape[:-1] + [n]))
         else:
-            out = _shards.count_replicated_grad_once(unpadded(out), mesh)
+            out = _shards.replicated_product(unpadded(out), a_rows if own else None, local, mesh)
             out_dtensors.append(wrap_local(out, mesh, Replicate(), full_shape[:-1] + [n]))
-    if a_local is None:
+    if not return_a:
         return None, out_dtensors
-    a_local = _shards.count_replicated_grad_once(unpadded(a_local), mesh)
-    return wrap_local(a_local, mesh, Replicate(), full_shape), out_dtensors
+    a_full = _shards.count_replicated_grad_once(a_rows, mesh)
+    return wrap_local(a_full, mesh, Replicate(), full_shape), out_dtensors
 
 
 def _contraction_sharded(a, b, group, op: str):

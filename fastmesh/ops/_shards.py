@@ -16,13 +16,16 @@ on a fused call's plan once per shape.
 Replicated results. The backward of an all-gather + matmul sums the gathered input's gradients over the ranks (a
 reduce-scatter): right for column-sharded products, whose ranks hold different parts of the gradient, but a
 product or gathered input that every rank holds whole (``Replicate()``) has the whole gradient on every rank, and
-the sum would count it once per rank. :func:`count_replicated_grad_once` passes it on from one rank only.
+the sum would count it once per rank. :func:`count_replicated_grad_once` passes it on from one rank only; a
+replicated product's ``b`` then takes its own gradient from the whole one (:func:`replicated_product`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+
+from fastmesh.ops._fused_common import as_matrix
 
 
 def full_rows(n: int, world: int) -> int:
@@ -116,3 +119,24 @@ class _CountReplicatedGradOnce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+def replicated_product(out: torch.Tensor, a_full: torch.Tensor | None, b: torch.Tensor, mesh: DeviceMesh):
+    """``out = a_full @ b`` (a fused all-gather + matmul's product of a ``b`` every rank holds whole, passed to the
+    op detached when it needs a gradient), whose gradient reaches the op, for ``a``'s gradient, from one rank only,
+    while ``b``'s gradient, ``a_full.T @ G``, is taken on every rank from the whole ``G`` before that: each rank's
+    ``b`` gets the gradient torch's replicated matmul gives it. ``a_full``: None when ``b`` needs no gradient."""
+    out = count_replicated_grad_once(out, mesh)
+    return out if a_full is None else _WeightGradOnEveryRank.apply(out, a_full.detach(), b)
+
+
+class _WeightGradOnEveryRank(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, a_full: torch.Tensor, b: torch.Tensor):
+        ctx.save_for_backward(a_full)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (a_full,) = ctx.saved_tensors
+        return grad, None, as_matrix(a_full).t() @ as_matrix(grad)
