@@ -424,6 +424,49 @@ def test_uneven_features_small_integers_bit_exact(world_size):
         module.zero_grad()
 
 
+@on_ranks(2)
+def test_replicate_dtensor_input_gives_torchs_column_shards_for_few_out_features():
+    """A ``Replicate()`` DTensor input runs as torch's ColwiseParallel, down to its output layout: with fewer
+    out_features than ranks DTensor replicates the product, and the style, as torch's, makes it ``Shard(-1)``
+    (rank 1 holds no column of 1). Gradients equal torch's."""
+    mesh = _tp_mesh()
+    x = _small_ints((2, 5, 12), 20, -1, 2)
+    for out_features in (1, 3):
+        linear = _integer_head(12, out_features, bias=True)
+        results = []
+        for style in (FusedColwiseParallel(), ColwiseParallel()):
+            parallel = parallelize_module(copy.deepcopy(linear), mesh, style)
+            x_d = distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
+            y = parallel(x_d)
+            (y * _torchs_piece(_small_ints((2, 5, out_features), 21, -1, 2), mesh, 2)).sum().backward()
+            results.append((y, x_d.grad.full_tensor(), _full_grads(parallel)))
+        (y, dx, grads), (y_torch, dx_torch, grads_torch) = results
+        assert y.shape == y_torch.shape and torch.equal(y, y_torch), out_features
+        assert torch.equal(dx, dx_torch), out_features
+        for name, grad in grads.items():
+            assert torch.equal(grad, grads_torch[name]), (out_features, name)
+
+
+@on_ranks(2, timeout=300)
+def test_lm_head_compiled_before_any_eager_call_traces_in_one_graph(world_size):
+    """The styles' once-said choices are not logged while dynamo traces (a logger call breaks fullgraph): an LM head
+    whose first call is compiled (fullgraph, aot_eager) equals the unsharded head; the choice is said by a later
+    eager call."""
+    from fastmesh import _log
+
+    _log.forget(lambda key: isinstance(key, tuple) and key[:2] == ("FusedColwiseParallel", "replicated output"))
+    torch._dynamo.reset()
+    mesh = _tp_mesh()
+    head = _integer_head(4, 3 * world_size + 1, bias=False)  # out > in, no bias: the output's gather is fused
+    x = _small_ints((2, 2 * world_size, 4), 20, -1, 2)
+    parallel = parallelize_module(copy.deepcopy(head), mesh, FusedColwiseParallel(output_layouts=Replicate()))
+    y = torch.compile(parallel, fullgraph=True, backend="aot_eager")(_shard(x, 1))
+    assert torch.equal(y, head(x).detach())
+    with captured_log("fastmesh.parallel", logging.INFO) as messages:
+        parallel(_shard(x, 1))
+    assert any("matmul_all_gather" in message for message in messages), messages
+
+
 @on_ranks(2, 4)
 def test_uneven_ffn_hidden_llama_block_matches_unsharded(world_size):
     """A SwiGLU hidden size the TP degree does not divide (97), in both fastmesh plans: the block equals the

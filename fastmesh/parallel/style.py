@@ -285,8 +285,10 @@ class FusedColwiseParallel(ParallelStyle):
             )
             return self._column_outputs(mesh, named_linears, outs)[0]
         out = F.linear(x, linear.weight, linear.bias)
-        if isinstance(self.output_layouts[0], Replicate):
-            out = out.redistribute(x.device_mesh, [Replicate()])
+        # As torch's ColwiseParallel: DTensor may place the product otherwise (Replicate() for fewer out_features
+        # than ranks), so it is redistributed to the output layout (a no-op when it is there).
+        layout = self.output_layouts[0] if isinstance(self.output_layouts[0], Replicate) else Shard(out.dim() - 1)
+        out = out.redistribute(x.device_mesh, [layout])
         return out.to_local() if self.use_local_output else out
 
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh, what: str):
