@@ -541,7 +541,7 @@ def test_dtensor_fronts_run_torchs_uneven_shards_with_torchs_gradients(world_siz
 
 @on_ranks(2, 3)
 def test_dtensor_fronts_pad_uneven_contractions_and_columns(world_size):
-    """A contraction (row-parallel a and b) or b's columns the mesh size does not divide: torch's results,
+    """A contraction (row-parallel a and b, or gathered) or b's columns the mesh size does not divide: torch's results,
     placements and gradients, bit for bit. Contractions of 5 then 6 then 5 columns over 2 ranks once hung: rank 0
     held 3 columns each time (one plan agreed, no exchange) while rank 1's 2 then 3 were a new shape to agree on."""
     mesh = _tp_mesh()
@@ -561,6 +561,25 @@ def test_dtensor_fronts_pad_uneven_contractions_and_columns(world_size):
             _loss([want], seed=2).backward()
             for m, t in zip(mine, theirs):
                 assert torch.equal(m.grad.full_tensor(), t.grad.full_tensor()), case
+
+        # A gathered contraction: a's K columns gathered, then multiplied by a replicated b (plain or DTensor).
+        case = f"gathered contraction {k} over {world_size} ranks"
+        x_fm = distribute_tensor(a, mesh, [Shard(1)]).requires_grad_()
+        b_plain, b_dtensor = b.clone().requires_grad_(), distribute_tensor(b, mesh, [Replicate()]).requires_grad_()
+        got = fastmesh.all_gather_matmul(x_fm, [b_plain, b_dtensor], 1, return_a=True)
+        got = [got[0], *got[1]]
+        x_torch = distribute_tensor(a, mesh, [Shard(1)]).requires_grad_()
+        b_torch = [distribute_tensor(b, mesh, [Replicate()]).requires_grad_() for _ in range(2)]
+        a_torch = x_torch.redistribute(mesh, [Replicate()])
+        want = [a_torch, a_torch @ b_torch[0], a_torch @ b_torch[1]]
+        for g, t in zip(got, want):
+            assert g.placements == t.placements and g.shape == t.shape, (case, g, t)
+            assert torch.equal(g.to_local(), t.to_local()), case
+        _loss(got, seed=6).backward()
+        _loss(want, seed=6).backward()
+        assert torch.equal(x_fm.grad.to_local(), x_torch.grad.to_local()), case
+        assert torch.equal(b_plain.grad, b_torch[0].grad.to_local()), case
+        assert torch.equal(b_dtensor.grad.to_local(), b_torch[1].grad.to_local()), case
 
         # b's columns sharded unevenly: all_gather_matmul's column-sharded product, matmul_all_gather's gather.
         x, w = small_ints((2 * world_size, 8), torch.float32, seed=3), small_ints((8, k), torch.float32, seed=4)
@@ -609,8 +628,7 @@ def test_dtensor_placement_errors():
         (
             lambda: fastmesh.all_gather_matmul(distribute_tensor(torch.randn(4, 5), mesh, [Shard(1)]), [w], 1),
             ValueError,
-            r"a_shard is sharded unevenly along its last dim \(the contraction\): its global size 5 is not "
-            r"divisible by the mesh size 2",
+            r"bs\[0\] must have 5 rows \(a_shard's global last dim\), got \[6, 5\]",
         ),
     ]
     not_torchs = DTensor.from_local(

@@ -14,8 +14,8 @@ matmul_all_gather           a ``Replicate()`` (grad: ``Partial()``);  ``Replicat
 ==========================  ======================================  ===================================
 
 ``to_local`` / ``from_local`` are differentiable, so gradients flow back to the DTensor inputs. A sharded dim
-the mesh size does not divide (torch's uneven sharding: gathered or scattered rows, a sharded contraction, b's
-columns; not a gathered contraction) runs the op on equal shards padded with zeros, and the results drop the
+the mesh size does not divide (torch's uneven sharding: gathered or scattered rows, a sharded or gathered
+contraction, b's columns) runs the op on equal shards padded with zeros, and the results drop the
 padding (:mod:`fastmesh.ops._shards`): every rank calls the op with the same shapes.
 """
 
@@ -94,13 +94,9 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
             f"got {a_shard.placements[0]!r}"
         )
     contraction, rows = dim == a_shard.dim() - 1, a_shard.shape[dim]
-    if contraction and rows % mesh.size():
-        # Padding the contraction would need b's rows padded too; a linear's input features are not sharded so.
-        raise ValueError(
-            f"{op}: a_shard is sharded unevenly along its last dim (the contraction): its global size {rows} is "
-            f"not divisible by the mesh size {mesh.size()}"
-        )
     a_local = _shards.even_shard(a_shard.to_local(), dim, rows, mesh, f"{op}: a_shard")
+    # An uneven gathered contraction gathers a's K columns followed by zero columns, which meet zero rows of b.
+    gathered_k = a_local.shape[-1] * mesh.size()
     locals_, placements, columns = [], [], []
     for i, b in enumerate(bs):
         allowed = (Replicate(),) if contraction else (Replicate(), Shard(1))
@@ -117,14 +113,21 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
         p != Shard(1) and local.requires_grad and torch.is_grad_enabled() for p, local in zip(placements, locals_)
     ]
     op_bs = [local.detach() if own else local for local, own in zip(locals_, own_grad)]
+    if contraction and rows % mesh.size():
+        for i, b in enumerate(op_bs):
+            if b.shape[0] != rows:
+                raise ValueError(
+                    f"{op}: bs[{i}] must have {rows} rows (a_shard's global last dim), got {list(b.shape)}"
+                )
+        op_bs = [_shards.pad_rows(b, 0, gathered_k) for b in op_bs]
     gathered, outs = front(a_local, op_bs, dim, group=mesh, return_a=return_a or any(own_grad), pieces=pieces, fp8=fp8)
 
-    def unpadded(t):  # a gathered contraction is even, and not the products' last dim
+    def unpadded(t):  # the gathered rows; a gathered contraction leaves no padding in the products
         return t if contraction else _shards.first_rows(t, dim, rows)
 
     full_shape = list(a_shard.shape)
     out_dtensors = []
-    a_rows = None if gathered is None else unpadded(gathered)
+    a_rows = None if gathered is None else _shards.first_rows(gathered, dim, rows)
     for b, local, out, placement, n_local, own in zip(bs, locals_, outs, placements, columns, own_grad):
         n = b.shape[1] if is_dtensor(b) else n_local
         if placement == Shard(1):  # column-sharded: each rank's gradient is its part of the sum
