@@ -384,6 +384,16 @@ def test_fp8_block_forms_bad_inputs():
             r"fastmesh.all_gather_matmul: fp8 granularity 'mx' needs the contraction dim \(K = 48\) to be a multiple "
             r"of 32",
         ),
+        (  # a gathered contraction is refused before its (world times a_shard's) K is checked for MX
+            lambda: fastmesh.all_gather_matmul(
+                torch.randn(4, 48),
+                [torch.randn(48 * dist.get_world_size(), 32)],
+                -1,
+                fp8=Float8Config(granularity="mx"),
+            ),
+            ValueError,
+            r"fastmesh.all_gather_matmul: the FP8 form gathers rows: gather_dim must not be the last dim",
+        ),
         (
             lambda: fastmesh.matmul_reduce_scatter(
                 torch.randn(4, 64, requires_grad=True), torch.randn(64, 40), 0, fp8=Float8Config(granularity="mx")
