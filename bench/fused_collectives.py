@@ -61,11 +61,11 @@ from fastmesh.ops._fp8_operands import (
     E8M0,
     check_a_scale,
     check_b_scale,
-    dequantize,
     dequantizes,
     quantize_columns,
     quantize_rows,
 )
+from fastmesh.ops.fp8_quantize import dequantize
 
 E4M3 = torch.float8_e4m3fn
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}  # float8: out dtype

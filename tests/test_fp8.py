@@ -181,6 +181,47 @@ def test_power_of_two_scales():
         assert bool((mantissa == 0.5).all()), granularity
 
 
+def _scale_per_element(scale, granularity, shape2d):
+    """The scale of each element of x as [M, K], spelled out per granularity (the reference for dequantize)."""
+    m, k = shape2d
+    s = scale.float()
+    if granularity == "tensorwise":
+        return s.expand(m, k)
+    if granularity == "block128x128":
+        return s.repeat_interleave(128, 0)[:m].repeat_interleave(128, 1)[:, :k]
+    s = s.reshape(m, -1)
+    block = {"rowwise": k, "block1x128": 128, "mx": 32}[granularity]
+    return s.repeat_interleave(max(block, 1), 1)[:, :k]
+
+
+@pytest.mark.parametrize("granularity", (*GRANULARITIES, "mx"))
+def test_dequantize_applies_each_scale_to_its_group(granularity):
+    """Float8Quantized.dequantize: data times the scale of each element's group, for N-D x, partial blocks, the
+    transposed pair and an output dtype; an MX block whose scale is NaN comes back NaN."""
+    for shape in [(3, 5, 288), (130, 257), (64, 96), (96,)] if granularity != "mx" else [(3, 32, 64), (64, 96), (96,)]:
+        if granularity == "block128x128" and len(shape) < 2:
+            continue
+        x = wide_range(shape, torch.float32, seed=len(shape))
+        if granularity == "mx":
+            x.view(-1)[5] = float("nan")
+        transpose = len(shape) > 1
+        q = fastmesh.fp8.quantize(x, dtype=E4M3, granularity=granularity, transpose=transpose)
+        m, k = math.prod(shape[:-1]), shape[-1]
+        expected = q.data.float().reshape(m, k) * _scale_per_element(q.scale, granularity, (m, k))
+        got = q.dequantize()
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        torch.testing.assert_close(got.reshape(m, k), expected, rtol=0, atol=0, equal_nan=True)
+        if granularity == "mx":
+            assert bool(got.view(-1)[:32].isnan().all()) and not bool(got.view(-1)[32:].isnan().any())
+        torch.testing.assert_close(q.dequantize(torch.bfloat16), got.bfloat16(), rtol=0, atol=0, equal_nan=True)
+        if transpose:
+            expected_t = q.data_t.float() * _scale_per_element(q.scale_t, granularity, (k, m))
+            torch.testing.assert_close(q.dequantize(transposed=True), expected_t, rtol=0, atol=0, equal_nan=True)
+        else:
+            with pytest.raises(ValueError, match=r"transposed=True needs a quantize\(\.\.\., transpose=True\)"):
+                q.dequantize(transposed=True)
+
+
 def test_e5m2_saturates_unlike_plain_cast():
     x = torch.tensor([[70000.0, -1e9, 1.0]])
     q = fastmesh.fp8.quantize(x, dtype=E5M2, granularity="tensorwise", scale=torch.ones(()))

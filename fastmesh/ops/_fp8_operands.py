@@ -241,30 +241,3 @@ def quantize_columns(b: torch.Tensor, dtype: torch.dtype, config: Float8Config):
     the layout _scaled_mm takes for its second operand where it takes one."""
     data, scale = _quantize(b.t(), dtype, _B_GRANULARITY[config.granularity], config)
     return data.t(), scale.t()
-
-
-def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``data * scale`` in ``dtype``, each scale element covering its block of ``data`` (a size-1 dim of the
-    scale covers the whole dim): the rule and the method of ``dequantize`` in ``csrc/fused/scaled.h`` (blocks
-    that tile a dim exactly broadcast their scale over a split dim; a partial last block expands it)."""
-    values = data.float()
-    s = scale.float()
-    if s.dim() == 0:
-        return values.mul_(s).to(dtype)
-    block = MX_BLOCK if scale.dtype == E8M0 else SCALE_BLOCK
-    value_shape, scale_shape = [], []
-    for d, (n, groups) in enumerate(zip(data.shape, scale.shape)):
-        if groups in (1, n):
-            value_shape.append(n)
-            scale_shape.append(groups)
-        elif n == groups * block:
-            value_shape += [groups, block]
-            scale_shape += [groups, 1]
-        else:
-            # An index per element, not repeat_interleave(block).narrow(n): inductor (torch 2.14, CPU) compiles
-            # that expand-flatten-slice to a loop over the first block only and leaves the rest unwritten.
-            s = s.index_select(d, torch.arange(n, device=s.device) // block)
-            value_shape.append(n)
-            scale_shape.append(n)
-    values.view(value_shape).mul_(s.reshape(scale_shape))
-    return values.to(dtype)

@@ -37,9 +37,11 @@ from fastmesh._log import log_once
 from fastmesh.mesh import group_name
 from fastmesh.ops import _collectives
 from fastmesh.ops._checks import (
+    BLOCK,
     FLOAT_INPUTS,
     GRANULARITIES,
     MX,
+    MX_BLOCK,
     check_fp8_dtype,
     check_granularity,
     check_per_group_tensor,
@@ -60,13 +62,52 @@ _TRANSPOSE_FOLLOWS_GIVEN = ("tensorwise", "block128x128")
 
 
 class Float8Quantized(NamedTuple):
-    """Result of :func:`quantize`: ``x ~= data.float() * scale`` (scale broadcast per group)."""
+    """Result of :func:`quantize`: ``x ~= data.float() * scale``, each scale element covering its group
+    (:meth:`dequantize`)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     amax: torch.Tensor
     data_t: torch.Tensor | None
     scale_t: torch.Tensor | None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, *, transposed: bool = False) -> torch.Tensor:
+        """``data * scale`` in ``dtype`` (fp32 products, then one rounding): what ``x`` is taken to be. With
+        ``transposed=True``, ``data_t * scale_t``: ``[K, M]``, x as ``[M, K]`` transposed (``transpose=True``
+        quantizations only). An E8M0 scale of NaN (0xFF) gives NaN over its block."""
+        data, scale = (self.data_t, self.scale_t) if transposed else (self.data, self.scale)
+        if data is None:
+            raise ValueError("Float8Quantized.dequantize: transposed=True needs a quantize(..., transpose=True) result")
+        if 0 < scale.dim() != data.dim():  # 128 x 128 blocks of an N-D x: the scale's layout is x as [M, K]
+            return dequantize(data.reshape(-1, data.shape[-1]), scale, dtype).reshape(data.shape)
+        return dequantize(data, scale, dtype)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale`` in ``dtype``, each scale element covering its block of ``data`` (a size-1 dim of the
+    scale covers the whole dim): the rule and the method of ``dequantize`` in ``csrc/fused/scaled.h`` (blocks
+    that tile a dim exactly broadcast their scale over a split dim; a partial last block expands it)."""
+    values = data.float()
+    s = scale.float()
+    if s.dim() == 0:
+        return values.mul_(s).to(dtype)
+    block = MX_BLOCK if scale.dtype == torch.float8_e8m0fnu else BLOCK
+    value_shape, scale_shape = [], []
+    for d, (n, groups) in enumerate(zip(data.shape, scale.shape)):
+        if groups in (1, n):
+            value_shape.append(n)
+            scale_shape.append(groups)
+        elif n == groups * block:
+            value_shape += [groups, block]
+            scale_shape += [groups, 1]
+        else:
+            # An index per element, not repeat_interleave(block).narrow(n): inductor (torch 2.14, CPU) compiles
+            # that expand-flatten-slice to a loop over the first block only and leaves the rest unwritten.
+            s = s.index_select(d, torch.arange(n, device=s.device) // block)
+            value_shape.append(n)
+            scale_shape.append(n)
+    values.view(value_shape).mul_(s.reshape(scale_shape))
+    return values.to(dtype)
 
 
 def check_quantize_args(
@@ -227,7 +268,8 @@ def quantize(
         ``amax`` is the per-group amax (over the group when ``amax_group`` is given); the last two are
         ``None`` unless ``transpose``. Not differentiable. With ``"mx"`` the scale is E8M0 (one per block of
         32): ``x ~= (data.float().unflatten(-1, (-1, 32)) * scale.float().unsqueeze(-1)).flatten(-2)``, and
-        ``transpose`` casts the columns (blocks of 32 rows, which 32 must divide).
+        ``transpose`` casts the columns (blocks of 32 rows, which 32 must divide). ``.dequantize()`` gives that
+        approximation of ``x`` for every granularity.
 
     Example::
 

@@ -48,7 +48,6 @@ from fastmesh.ops._fp8_operands import (
     check_out_dtype,
     check_scaled_b,
     check_scaled_operands,
-    dequantize,
     fp8_dgrad_possible,
     log_multiply,
     quantize_columns,
@@ -68,6 +67,7 @@ from fastmesh.ops._fused_common import (
     scattered_shape,
 )
 from fastmesh.ops._library import library, qualified_name
+from fastmesh.ops.fp8_quantize import dequantize
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config

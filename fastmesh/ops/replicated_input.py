@@ -35,12 +35,12 @@ import torch.nn.functional as F
 from fastmesh.ops import autocast
 from fastmesh.ops._fp8_operands import (
     check_fp8_contraction,
-    dequantize,
     fp8_dgrad_possible,
     quantize_columns,
     quantize_rows,
 )
 from fastmesh.ops._fused_common import as_matrix
+from fastmesh.ops.fp8_quantize import dequantize
 from fastmesh.ops.matmul_all_gather import matmul_all_gather
 from fastmesh.ops.matmul_all_reduce import matmul_all_reduce
 
