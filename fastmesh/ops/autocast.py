@@ -20,7 +20,9 @@ from fastmesh.ops._library import library, qualified_name
 
 # The ops whose operands are high-precision matrices (the others take FP8 data and scales, or no matmul operand).
 _MATMUL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_gather")
-_DEVICE_TYPES = ("cpu", "cuda", "xpu")
+# The device types whose autocast regions the ops follow, found once: dynamo (torch 2.11) cannot trace the check,
+# and cast() runs inside compiled fronts.
+_AUTOCAST_DEVICE_TYPES = tuple(d for d in ("cpu", "cuda", "xpu") if torch.amp.is_autocast_available(d))
 
 
 def _cast_to(value, device_type: str, dtype: torch.dtype):
@@ -34,10 +36,10 @@ def _cast_to(value, device_type: str, dtype: torch.dtype):
 
 def cast(value):
     """``value`` (a tensor, or a list / tuple of them) as an autocast region casts a matmul's inputs; unchanged
-    outside one. A tensor's own device type says which region applies (none for devices without autocast, meta)."""
+    outside one. A tensor's own device type says which region applies (none for other devices, meta included)."""
     tensors = [value] if isinstance(value, torch.Tensor) else [t for t in value if isinstance(t, torch.Tensor)]
     for device_type in {t.device.type for t in tensors}:
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        if device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
             value = _cast_to(value, device_type, torch.get_autocast_dtype(device_type))
     return value
 
@@ -60,6 +62,5 @@ def _register(op_name: str, device_type: str) -> None:
 
 for _op_name in _MATMUL_OPS:
     qualified_name(_op_name)  # a typo fails at import
-    for _device_type in _DEVICE_TYPES:
-        if torch._C._is_autocast_available(_device_type):
-            _register(_op_name, _device_type)
+    for _device_type in _AUTOCAST_DEVICE_TYPES:
+        _register(_op_name, _device_type)
