@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from rank_pool import on_ranks
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
+from torch_support import ROWWISE_ON_CPU
 
 import fastmesh.compile
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
@@ -438,8 +439,6 @@ def _all_reduce_sum_of_matmuls_avg(x, w, b):
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(E4M3).max
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-ROWWISE_ON_CPU = TORCH_VERSION >= (2, 13)  # torch._scaled_mm takes row-wise scales on CPU from 2.13
 
 
 def _quantize(x, amax):

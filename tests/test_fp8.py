@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from fastmesh.kernels import fp8_reference as ref
 from rank_pool import on_ranks
+from torch_support import ROWWISE_ON_CPU
 
 import fastmesh
 from fastmesh.ops.fp8_quantize import fp8_quantize
@@ -233,13 +234,10 @@ def sqnr_db(signal, noisy):
     return (20 * torch.log10(signal.norm() / (signal - noisy).norm())).item()
 
 
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
-
 @pytest.mark.smoke
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 def test_scaled_mm_sqnr(granularity):
-    if granularity == "rowwise" and TORCH_VERSION < (2, 13):
+    if granularity == "rowwise" and not ROWWISE_ON_CPU:
         pytest.skip("torch < 2.13 runs only tensor-wise scales in torch._scaled_mm on CPU")
     # FP8 matmul quality: both operands quantized, torch._scaled_mm on CPU vs the fp32 product.
     # e4m3 keeps 3 mantissa bits (relative error <= 2^-4 per element); a K=512 dot product averages

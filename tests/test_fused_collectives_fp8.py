@@ -19,14 +19,13 @@ from comm_counts import c10d_calls, p2p_pieces
 from environment import environment
 from fastmesh.kernels import fused_reference as ref
 from rank_pool import on_ranks
+from torch_support import ROWWISE_ON_CPU
 
 import fastmesh
 from fastmesh.fp8 import Float8Config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # torch < 2.13 runs only tensor-wise scales in torch._scaled_mm on CPU; the ops say so (tested below).
-ROWWISE_ON_CPU = TORCH_VERSION >= (2, 13)
 ROWWISE_CASES = (False, True) if ROWWISE_ON_CPU else (False,)
 
 

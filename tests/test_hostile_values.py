@@ -29,6 +29,7 @@ from rank_pool import on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch_support import ROWWISE_ON_CPU
 from tp_models import LinearPair
 
 import fastmesh
@@ -42,9 +43,8 @@ MANTISSA_BITS = {E4M3: 3, E5M2: 2}
 FP8_MIN_NORMAL = {E4M3: 2.0**-6, E5M2: 2.0**-14}
 FP8_SUBNORMAL_STEP = {E4M3: 2.0**-9, E5M2: 2.0**-16}
 NAN, INF = math.nan, math.inf
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # torch < 2.13 runs only tensor-wise scales in torch._scaled_mm on CPU.
-FP8_GRANULARITIES = ("tensorwise", "rowwise") if TORCH_VERSION >= (2, 13) else ("tensorwise",)
+FP8_GRANULARITIES = ("tensorwise", "rowwise") if ROWWISE_ON_CPU else ("tensorwise",)
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from comm_counts import c10d_calls
 from environment import environment
-from fastmesh.bench.fused_collectives import rowwise_scaled_mm_on_cpu
 from rank_pool import on_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from torch_support import ROWWISE_ON_CPU
 
 import fastmesh
 from fastmesh.fp8 import Float8Config
@@ -26,7 +26,7 @@ from fastmesh.ops.matmul_all_reduce import plan_call
 OP, SCALED_OP = "fastmesh::matmul_all_reduce", "fastmesh::scaled_matmul_all_reduce"
 ALL_REDUCE = "c10d::allreduce_"
 E4M3 = torch.float8_e4m3fn
-ROWWISE = (False, True) if rowwise_scaled_mm_on_cpu() else (False,)  # torch < 2.13: CPU _scaled_mm tensor-wise only
+ROWWISE = (False, True) if ROWWISE_ON_CPU else (False,)  # torch < 2.13: CPU _scaled_mm tensor-wise only
 
 
 def small_ints(shape, dtype, seed, low=-1, high=2) -> torch.Tensor:

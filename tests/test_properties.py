@@ -28,12 +28,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from environment import environment
-from fastmesh.bench.fused_collectives import rowwise_scaled_mm_on_cpu
 from fastmesh.kernels import fp8_reference
 from fastmesh.kernels import fused_reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rank_pool import get_pool
+from torch_support import ROWWISE_ON_CPU
 
 import fastmesh
 from fastmesh.fp8 import Float8Config
@@ -43,7 +43,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 WORLDS = (1, 2, 3, 4)
 RUN_TIMEOUT_S = 60.0
 # torch < 2.13 runs only tensor-wise scales in torch._scaled_mm on CPU.
-FP8_GRANULARITIES = ("tensorwise", "rowwise") if rowwise_scaled_mm_on_cpu() else ("tensorwise",)
+FP8_GRANULARITIES = ("tensorwise", "rowwise") if ROWWISE_ON_CPU else ("tensorwise",)
 _EXPLORE = int(os.environ.get("FASTMESH_HYPOTHESIS_EXAMPLES", "0"))
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from rank_pool import on_ranks
+from torch_support import ROWWISE_ON_CPU
 
 import fastmesh
 from fastmesh.fp8 import Float8Config
@@ -27,7 +28,7 @@ def _ints(shape, seed):
 
 def _cases(rank: int):
     """(name, inputs, fn): each fused op's call whose outputs and gradients the soak compares."""
-    fp8 = Float8Config(granularity="rowwise")
+    fp8 = Float8Config(granularity="rowwise" if ROWWISE_ON_CPU else "tensorwise")
     return [
         (
             "all_gather_matmul d0",

@@ -18,6 +18,7 @@ from comm_counts import c10d_calls, p2p_pieces
 from environment import environment
 from fastmesh.kernels import fused_reference as ref
 from rank_pool import on_ranks
+from torch_support import ROWWISE_ON_CPU
 
 import fastmesh
 from fastmesh.ops import plans
@@ -28,8 +29,7 @@ from fastmesh.ops.matmul_all_reduce import plan_call as all_reduce_plan_call
 
 E4M3 = torch.float8_e4m3fn
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "c10d::allreduce_"
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-ROWWISE_CASES = (False, True) if TORCH_VERSION >= (2, 13) else (False,)  # CPU _scaled_mm: tensor-wise before
+ROWWISE_CASES = (False, True) if ROWWISE_ON_CPU else (False,)  # CPU _scaled_mm: tensor-wise before
 
 
 def small_ints(shape, dtype, seed, low=-2, high=3) -> torch.Tensor:
