@@ -12,7 +12,7 @@ ROWWISE_ON_CPU = TORCH_VERSION >= (2, 13)
 # values). A layer's input that an earlier layer computed is not a leaf, and gets its gradient right.
 UNEVEN_LEAF_GRADIENTS = TORCH_VERSION >= (2, 12)
 
-# torch 2.11's to_local turns a missing gradient into zeros (2.12 on leave it None), so a weight whose local tensor
+# torch 2.11's to_local turns a missing gradient into zeros (2.12 on leaves it None), so a weight whose local tensor
 # fed an output nothing used gets a zero gradient there.
 TO_LOCAL_KEEPS_NO_GRADIENT = TORCH_VERSION >= (2, 12)
 
