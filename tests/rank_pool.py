@@ -59,6 +59,9 @@ GRACE_S = 3.0
 # A collective that outlives this raises in the rank, long before anyone kills it.
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 OUTPUT_TAIL_LINES = 100
+# The folder holding the fastmesh this process imports (the checkout, or site-packages for an installed package):
+# tests that start fresh processes put it first on their path, so they run the same fastmesh.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(importlib.util.find_spec("fastmesh").origin))
 
 _STARTUP_TASK = 0
 

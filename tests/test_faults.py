@@ -19,10 +19,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from rank_pool import RankFailure, get_pool
+from rank_pool import PACKAGE_ROOT, RankFailure, get_pool
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 TIMEOUT = 2.0  # the cases' groups' timeout, in seconds: far above what a healthy call of these sizes takes
 AT_ONCE = 3.0  # a survivor of a peer that exited fails within this (measured: milliseconds)
@@ -65,7 +64,7 @@ def _launch(tmp_path, fault: str, world: int, cases: list[str], mesh: str = "1d"
     env = {var: value for var, value in os.environ.items() if var not in LAUNCHER_VARS}
     env.pop("TORCH_DISTRIBUTED_DEBUG", None)  # DETAIL would check shapes on every call, before the pipeline
     env.pop("FASTMESH_SHAPE_CHECK", None)
-    env["PYTHONPATH"] = os.pathsep.join([REPO_DIR, TESTS_DIR, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, TESTS_DIR, env.get("PYTHONPATH", "")])
     # Starting the ranks takes seconds each on a busy machine, then every case may take the timeout.
     limit = 60 + 10 * world + len(cases) * (TIMEOUT + 5)
     procs = []

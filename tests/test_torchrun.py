@@ -18,6 +18,8 @@ import sys
 import time
 import uuid
 
+from rank_pool import PACKAGE_ROOT
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(TESTS_DIR)
 EXAMPLE = os.path.join(REPO_DIR, "examples", "train_llama_tp.py")
@@ -42,7 +44,7 @@ MESH_ATOL = 1.5e-4  # 2 x 2 vs tp-only, on values printed to 4 decimals (each ro
 def child_env() -> dict:
     return dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([REPO_DIR, os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]),
         OMP_NUM_THREADS="1",
     )
 
