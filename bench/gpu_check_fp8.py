@@ -876,10 +876,12 @@ SWEEP = (
     ("mx_quantize", "_FLAT_WARPS", (8, 4, 16)),
     ("mx_quantize", "_BLOCK_M", (32, 64, 128)),
     ("mx_quantize", "_BLOCK_K", (128, 256)),
+    ("mx_quantize", "_TRANSPOSE_WARPS", (4, 2, 8)),
     ("fp8_quantize", "_FLAT_BLOCK", (4096, 2048, 8192, 16384)),
     ("fp8_quantize", "_TRANSPOSE_TILE", (64, 32, 128)),
     ("fp8_quantize", "_BLOCK1X128_ROWS", (32, 16, 64)),
     ("fp8_quantize", "_ROW_BLOCK", (8192, 4096, 16384)),
+    ("fp8_quantize", "_LARGE_TILE_WARPS", (8, 4, 16)),
 )
 
 
@@ -908,8 +910,12 @@ def sweep(repeats: int) -> list[tuple]:
         "_BLOCK1X128_ROWS": [("block1x128", lambda: _quantize_triton(x, E4M3, "block1x128", None, None, False, False))],
         "_ROW_BLOCK": [("rowwise", lambda: _quantize_triton(x, E4M3, "rowwise", None, None, False, False))],
     }
+    cases["_LARGE_TILE_WARPS"] = [
+        (f"{granularity} +transpose", lambda g=granularity: _quantize_triton(x, E4M3, g, None, None, True, False))
+        for granularity in ("block1x128", "block128x128")
+    ]
     cases["_FLAT_WARPS"] = cases["_FLAT_BLOCKS"]
-    cases["_BLOCK_K"] = cases["_BLOCK_M"]
+    cases["_BLOCK_K"] = cases["_TRANSPOSE_WARPS"] = cases["_BLOCK_M"]
     for module_name, setting, values in SWEEP:
         module = modules[module_name]
         default = getattr(module, setting)

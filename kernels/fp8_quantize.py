@@ -61,6 +61,10 @@ _FLAT_MAX_PROGRAMS = 1024
 _ROW_BLOCK = 8192
 _TRANSPOSE_TILE = 64
 _BLOCK1X128_ROWS = 32
+# Warps of a tile program: _LARGE_TILE_WARPS for tiles of 8192 elements or more (the 128 x 128 ones), 4 below. On an
+# H200 the transposed 128 x 128 casts ran at 35% (1x128) and 59% (128x128) of copy (2026-12-04); the GPU check
+# sweeps it.
+_LARGE_TILE_WARPS = 8
 
 
 class Quantized(NamedTuple):
@@ -392,6 +396,10 @@ def _row_blocks(k: int) -> tuple[int, int]:
     return max(1, min(64, _ROW_BLOCK // block_k)), block_k
 
 
+def _tile_warps(block_m: int, block_k: int) -> int:
+    return _LARGE_TILE_WARPS if block_m * block_k >= 8192 else 4
+
+
 def _launcher(kernel, wrap: Callable | None):
     return kernel if wrap is None else wrap(kernel)
 
@@ -459,7 +467,7 @@ def amax(x: torch.Tensor, granularity: str = "tensorwise", *, wrap: Callable | N
         REDUCE2=_REDUCE_NONE,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
-        num_warps=8 if block_m * block_k >= 8192 else 4,
+        num_warps=_tile_warps(block_m, block_k),
     )
     return out_bits.view(torch.float32)
 
@@ -665,7 +673,7 @@ def quantize(
             TRANSPOSE=bool(transpose),
             BLOCK_M=block_m,
             BLOCK_K=block_k,
-            num_warps=8 if block_m * block_k >= 8192 else 4,
+            num_warps=_tile_warps(block_m, block_k),
             **common,
         )
     return Quantized(data, scale_out, amax_bits.view(torch.float32), data_t, scale_t)
