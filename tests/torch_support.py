@@ -1,11 +1,12 @@
 """What the installed torch can do, where a test depends on its version (fastmesh supports torch 2.11 to 2.14)."""
 
 import torch
+from fastmesh.bench.fused_collectives import rowwise_scaled_mm_on_cpu
 
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
-# torch._scaled_mm takes row-wise scales on CPU from 2.13 (tensor-wise only before).
-ROWWISE_ON_CPU = TORCH_VERSION >= (2, 13)
+# torch._scaled_mm takes row-wise scales on CPU from 2.13 (tensor-wise only before): the rule the benchmarks skip by.
+ROWWISE_ON_CPU = rowwise_scaled_mm_on_cpu()
 
 # torch 2.11 gives a *leaf* DTensor sharded unevenly along a dim past the first a wrong gradient through to_local
 # (the backward's DTensor has the stride of an even shard; AccumulateGrad then makes it Replicate() with rank 0's
