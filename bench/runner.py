@@ -201,19 +201,12 @@ def _distributed_on_world(plan: Plan) -> dict | None:
     """The distributed families on the world in the environment (RANK, WORLD_SIZE, ...); rank 0 returns them."""
     import torch.distributed as dist
 
-    import fastmesh
-
-    if plan.device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    mesh = fastmesh.init_mesh(
-        tp=int(os.environ["WORLD_SIZE"]), device_type=plan.device_type, timeout=launch.COLLECTIVE_TIMEOUT
-    )
-    leader = dist.get_rank() == 0
-    try:
+    def run(mesh) -> dict | None:
+        leader = dist.get_rank() == 0
         results = _run_families(plan, _distributed_names(plan), leader, mesh.get_group(), mesh)
-    finally:
-        dist.destroy_process_group()
-    return results if leader else None
+        return results if leader else None
+
+    return launch.on_world_mesh(plan.device_type, run)
 
 
 def main(argv: list[str] | None = None) -> int:

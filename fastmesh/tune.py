@@ -329,14 +329,9 @@ def _rank_main(threads: int, request: Request) -> list[Row] | None:
     torch.set_num_threads(threads)
     os.environ[plans.ENV_MODE] = "measure"
     os.environ[ENV_PATH] = request.cache_path
-    if request.device_type == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    mesh = fastmesh.init_mesh(
-        tp=int(os.environ["WORLD_SIZE"]), device_type=request.device_type, timeout=launch.COLLECTIVE_TIMEOUT
-    )
-    recorder = _Recorder()
-    leader = dist.get_rank() == 0
-    try:
+
+    def run(mesh) -> list[Row] | None:
+        recorder = _Recorder()
         fp8_forms = [None] + ([fastmesh.fp8.Float8Config(granularity=request.fp8)] if request.fp8 else [])
         with recorder:
             for fp8 in fp8_forms:
@@ -346,9 +341,9 @@ def _rank_main(threads: int, request: Request) -> list[Row] | None:
                 for index, spec in enumerate(request.cases, 1):
                     recorder.where = f"case {index}{suffix}"
                     _run_case(spec, request, mesh, fp8)
-    finally:
-        dist.destroy_process_group()
-    return recorder.rows if leader else None
+        return recorder.rows if dist.get_rank() == 0 else None
+
+    return launch.on_world_mesh(request.device_type, run)
 
 
 def _run_block(request: Request, mesh, fp8, recorder: _Recorder, suffix: str) -> None:
