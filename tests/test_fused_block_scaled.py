@@ -322,6 +322,32 @@ def test_mx_fronts_take_any_columns_without_an_fp8_dgrad():
 
 
 @on_ranks(2)
+def test_fp8_fronts_take_an_empty_contraction_and_no_columns():
+    """K = 0 (a sum over nothing: zeros) and N = 0 (no columns, forward and backward) in every FP8 form, as the
+    high-precision ops take them."""
+    tp = fastmesh.init_mesh(tp=dist.get_world_size())["tp"]
+    world = tp.size()
+    granularities = ("tensorwise", "mx", "block1x128") + (("rowwise",) if ROWWISE_ON_CPU else ())
+    for granularity in granularities:
+        config = Float8Config(granularity=granularity)
+        a, b = torch.randn(4, 0), torch.randn(0, 8)
+        gathered, (y,) = fastmesh.all_gather_matmul(a, [b], 0, group=tp, fp8=config, return_a=True)
+        assert gathered.shape == (4 * world, 0), granularity
+        torch.testing.assert_close(y, torch.zeros(4 * world, 8), rtol=0, atol=0, msg=granularity)
+        scattered = fastmesh.matmul_reduce_scatter(a, b, 0, group=tp, fp8=config)
+        torch.testing.assert_close(scattered, torch.zeros(4 // world, 8), rtol=0, atol=0, msg=granularity)
+        reduced = fastmesh.matmul_all_reduce(a, b, group=tp, fp8=config)
+        torch.testing.assert_close(reduced, torch.zeros(4, 8), rtol=0, atol=0, msg=granularity)
+
+        a, b = torch.randn(4, 64, requires_grad=True), torch.randn(64, 0, requires_grad=True)
+        _, (y,) = fastmesh.all_gather_matmul(a, [b], 0, group=tp, fp8=config)
+        assert y.shape == (4 * world, 0), granularity
+        y.sum().backward()  # the FP8 dgrad contracts over N = 0
+        torch.testing.assert_close(a.grad, torch.zeros(4, 64), rtol=0, atol=0, msg=granularity)
+        assert b.grad.shape == (64, 0), granularity
+
+
+@on_ranks(2)
 def test_fp8_block_forms_opcheck_and_compile():
     from test_fused_collectives_fp8 import _opcheck_fp8, assert_compiled_fp8_block_matches_eager
 
@@ -393,6 +419,11 @@ def test_fp8_block_forms_bad_inputs():
                 -1,
                 fp8=Float8Config(granularity="mx"),
             ),
+            ValueError,
+            r"fastmesh.all_gather_matmul: the FP8 form gathers rows: gather_dim must not be the last dim",
+        ),
+        (  # ... and before bs' rows are counted as a gathered contraction's
+            lambda: fastmesh.all_gather_matmul(torch.randn(4, 64), [torch.randn(64, 32)], -1, fp8=Float8Config()),
             ValueError,
             r"fastmesh.all_gather_matmul: the FP8 form gathers rows: gather_dim must not be the last dim",
         ),

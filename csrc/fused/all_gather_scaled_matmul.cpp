@@ -62,7 +62,6 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   const int64_t world = group->getSize(), rank = group->getRank();
 
   const std::vector<int64_t> full_sizes = with_size(a_shard.sizes(), dim, a_shard.size(dim) * world);
-  const int64_t k = a_shard.size(-1);
   std::vector<at::Tensor> outs;
   for (const at::Tensor& b : bs)
     outs.push_back(at::empty(with_size(full_sizes, a_shard.dim() - 1, b.size(1)), a_shard.options().dtype(out_dtype)));
@@ -75,8 +74,6 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
   }
   const RowLayout layout = pipeline::row_layout(a_shard.sizes(), dim);
   if (layout.outer * layout.inner == 0) return {a_full, a_scale_full, outs};  // no rows: nothing to gather
-  TORCH_CHECK_VALUE(k > 0, kOp, ": a_shard must have a non-empty last dim (scales per row of nothing), got shape ",
-                    a_shard.sizes());
 
   std::vector<ScaledB> b_operands;
   for (size_t i = 0; i < bs.size(); ++i) {
@@ -85,7 +82,8 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::vector<at:
 
   // The scales travel first, in one small all-gather, so that every piece's multiply can use them.
   const at::Tensor shard = a_shard.contiguous();
-  const at::Tensor scale_shard = a_scale.contiguous().view({-1, groups});  // [rows, groups]; tensor-wise [1, 1]
+  // [rows, groups]; tensor-wise [1, 1]
+  const at::Tensor scale_shard = scale_per_row ? rows_view(a_scale.contiguous()) : a_scale.view({1, 1});
   const int64_t scale_rows = scale_shard.size(0);
   at::Tensor scales = at::empty({world * scale_rows, groups}, a_scale.options());
   InFlight scales_transfer(group, kOp, "a_scale (gathered before the pieces)");

@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "blocks.h"
 #include "fastmesh/checks.h"
 #include "fastmesh/mx_math.h"
 
@@ -169,7 +170,7 @@ inline bool block_scaled_mm_runs(const Scalings& scalings, at::ScalarType a_dtyp
 
 // a's scale as a matrix beside a's rows ([rows, 1] or [rows, groups]); a tensor-wise scale as it is.
 inline at::Tensor scale_rows(const at::Tensor& a_scale) {
-  return a_scale.dim() == 0 ? a_scale : a_scale.contiguous().view({-1, a_scale.size(-1)});
+  return a_scale.dim() == 0 ? a_scale : rows_view(a_scale.contiguous());
 }
 
 // data * scale in `dtype`, each scale element covering its block of the matrix `data` (a size-1 dim of the

@@ -38,7 +38,6 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
   const bool columns = dim == a.dim() - 1;
   check_scattered_divisible(columns ? n : a.size(dim), world, scatter_dim, kOp);
 
-  const int64_t k = a.size(-1);
   const at::Tensor a_dense = a.contiguous();
   const at::Tensor a_rows = rows_view(a_dense);
   const at::Tensor a_scale_rows = scale_rows(a_scale);
@@ -82,10 +81,9 @@ at::Tensor scaled_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& a
           if (a_per_row) scale_blocks = rank_blocks_view(a_scale_rows, layout, world);
         }
         // A block spanning several [Q, K] slabs is strided; _scaled_mm takes plain matrices.
-        const at::Tensor rows = rank_block(a_blocks, layout, j, piece).contiguous().view({-1, k});
+        const at::Tensor rows = rows_view(rank_block(a_blocks, layout, j, piece).contiguous());
         const at::Tensor rows_scale =
-            a_per_row ? rank_block(scale_blocks, layout, j, piece).contiguous().view({-1, a_scale_rows.size(1)})
-                      : a_scale;
+            a_per_row ? rows_view(rank_block(scale_blocks, layout, j, piece).contiguous()) : a_scale;
         scaled_mm(rows, rows_scale, b_operand, send.scalar_type(), &send);
       },
       multiply_columns);

@@ -58,7 +58,7 @@ from fastmesh.ops._fused_common import (
     scattered_shape,
 )
 from fastmesh.ops._library import library, qualified_name
-from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, matmul_reduce_scatter_fp8
+from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, check_rows_gathered, matmul_reduce_scatter_fp8
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config
@@ -70,10 +70,12 @@ _RS = "fastmesh::matmul_reduce_scatter"
 # ---- checks (the wording of csrc/fused/checks.h) ----
 
 
-def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, pieces) -> int:
-    """Checks every argument; returns gather_dim made non-negative."""
+def _check_all_gather_matmul(a_shard, bs, gather_dim, world: int, pieces, fp8: bool = False) -> int:
+    """Checks every argument (``fp8``: for the FP8 form); returns gather_dim made non-negative."""
     check_tensor(a_shard, _AG, "a_shard", MATMUL_DTYPES, min_dim=1)
     dim = wrap_dim(gather_dim, a_shard.dim(), _AG, "gather_dim", "a_shard")
+    if fp8:  # first: bs' rows below would count a gathered contraction, which the FP8 form refuses
+        check_rows_gathered(a_shard, gather_dim, "fastmesh.all_gather_matmul")
     check_pieces(pieces, _AG)
     if isinstance(bs, torch.Tensor) or not isinstance(bs, (list, tuple)):
         raise TypeError(f"{_AG}: bs must be a list of matrices, got {type(bs).__name__}")
@@ -348,7 +350,7 @@ def all_gather_matmul(
     name = _group_name_of(group)
     pieces = 0 if pieces is None else pieces
     if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
-        _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces)
+        _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces, fp8 is not None)
     _cpp_lib.require()
     if fp8 is not None:
         config = check_config(fp8, "fastmesh.all_gather_matmul", a_shard.dtype)

@@ -79,7 +79,7 @@ _RS = "fastmesh::scaled_matmul_reduce_scatter"
 # ---- checks (the wording of csrc/fused/all_gather_scaled_matmul.cpp, scaled_matmul_reduce_scatter.cpp) ----
 
 
-def _check_rows_gathered(a_shard, gather_dim: int, op: str) -> int:
+def check_rows_gathered(a_shard, gather_dim: int, op: str) -> int:
     """gather_dim wrapped, which must not be a_shard's last dim (the contraction)."""
     dim = wrap_dim(gather_dim, a_shard.dim(), op, "gather_dim", "a_shard")
     if dim == a_shard.dim() - 1:
@@ -93,7 +93,7 @@ def _check_rows_gathered(a_shard, gather_dim: int, op: str) -> int:
 def _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, pieces):
     """(gather_dim wrapped, a's scale layout, each b's)."""
     check_tensor(a_shard, _AG, "a_shard", FP8_DTYPES, min_dim=2)
-    dim = _check_rows_gathered(a_shard, gather_dim, _AG)
+    dim = check_rows_gathered(a_shard, gather_dim, _AG)
     a_layout = check_a_scale(a_scale, a_shard, _AG, "a_scale", "a_shard")
     check_out_dtype(out_dtype, _AG)
     check_pieces(pieces, _AG)
@@ -354,7 +354,7 @@ def all_gather_matmul_fp8(
     config: Float8Config,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The fronts' ``fp8=`` path of all_gather_matmul (module docstring)."""
-    _check_rows_gathered(a_shard, gather_dim, "fastmesh.all_gather_matmul")  # before the checks of bs' sizes
+    check_rows_gathered(a_shard, gather_dim, "fastmesh.all_gather_matmul")  # before bs' MX / block sizes
     for b in bs:
         check_fp8_contraction(
             config, b.shape[0], b.shape[1], fp8_dgrad_possible(config, a_shard), "fastmesh.all_gather_matmul"
