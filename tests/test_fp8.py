@@ -221,6 +221,8 @@ def test_dequantize_applies_each_scale_to_its_group(granularity):
         else:
             with pytest.raises(ValueError, match=r"transposed=True needs a quantize\(\.\.\., transpose=True\)"):
                 q.dequantize(transposed=True)
+    empty = fastmesh.fp8.quantize(torch.randn(3, 4, 0), dtype=E4M3, granularity=granularity)  # no K: no reshape(-1, 0)
+    assert empty.dequantize().shape == (3, 4, 0)
 
 
 def test_e5m2_saturates_unlike_plain_cast():
@@ -333,13 +335,16 @@ def test_errors(overrides, error, message):
 
 
 def test_front_errors_name_the_argument():
-    """What only the front sees: the granularities it takes (MX included), and a scale that is no tensor."""
+    """What only the front sees: the granularities it takes (MX included), and a scale or x that is no tensor."""
     x = torch.zeros(4, 64)
     known = r"'tensorwise', 'rowwise', 'block1x128', 'block128x128', 'mx'"
     with pytest.raises(ValueError, match=rf"granularity must be one of {known}, got 'row'"):
         fastmesh.fp8.quantize(x, dtype=E4M3, granularity="row")
     with pytest.raises(TypeError, match=r"scale must be a float32 tensor in the scale layout .*got float"):
         fastmesh.fp8.quantize(x, dtype=E4M3, granularity="tensorwise", scale=0.01)
+    for granularity in ("rowwise", "mx"):
+        with pytest.raises(TypeError, match=r"fastmesh.fp8.quantize: x must be a torch.Tensor, got list"):
+            fastmesh.fp8.quantize([[1.0] * 32], dtype=E4M3, granularity=granularity)
 
 
 def test_native_kernel_checks_bypassing_python():

@@ -246,6 +246,12 @@ def test_mx_special_blocks():
         row = x[2:4].bfloat16().reshape(1, -1)
         got = fastmesh.fp8.quantize(row, dtype=E4M3, granularity="mx", scale_rounding=rounding)
         assert_mx_equal(got, mx.quantize_mx(row, E4M3, rounding), f"{rounding} one bf16 row")
+        # A normal block below 2**-118 (docs/fp8.md): floor's data over 2**-126 against its scale 2**-127 dequantize
+        # to half the block; rceil's (amax <= 448 * 2**-127) are zeros.
+        low = fastmesh.fp8.quantize(
+            torch.full((1, 32), 2.0**-120), dtype=E4M3, granularity="mx", scale_rounding=rounding
+        )
+        assert (low.dequantize() == {"floor": 2.0**-121, "rceil": 0.0}[rounding]).all(), rounding
 
 
 def test_mx_errors():

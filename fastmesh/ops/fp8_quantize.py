@@ -79,7 +79,8 @@ class Float8Quantized(NamedTuple):
         if data is None:
             raise ValueError("Float8Quantized.dequantize: transposed=True needs a quantize(..., transpose=True) result")
         if 0 < scale.dim() != data.dim():  # 128 x 128 blocks of an N-D x: the scale's layout is x as [M, K]
-            return dequantize(data.reshape(-1, data.shape[-1]), scale, dtype).reshape(data.shape)
+            rows = data.reshape(math.prod(data.shape[:-1]), data.shape[-1])  # not (-1, K): ambiguous for K = 0
+            return dequantize(rows, scale, dtype).reshape(data.shape)
         return dequantize(data, scale, dtype)
 
 
@@ -277,6 +278,7 @@ def quantize(
         >>> y = torch._scaled_mm(qx.data, qw.data.t(), qx.scale, qw.scale.t(), out_dtype=torch.bfloat16)
     """
     op = "fastmesh.fp8.quantize"
+    check_tensor(x, op, "x", FLOAT_INPUTS)
     if granularity not in (*GRANULARITIES, MX):
         known = ", ".join(map(repr, (*GRANULARITIES, MX)))
         raise ValueError(f"{op}: granularity must be one of {known}, got {granularity!r}")
