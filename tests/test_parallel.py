@@ -1443,6 +1443,23 @@ def test_bad_plans_raise_clear_errors():
         "FusedColwiseParallel: fp8 granularity 'mx' with backward_in_fp8 needs the product's columns \\(N = 40",
         lambda: apply(nn.Linear(64, 40 * world), mx_plain)(torch.randn(2, 4, 64, requires_grad=True)),
     )
+    mx = Float8Config(granularity="mx")
+    _raises(  # sequence parallel: said by the style before the fused op, naming the linear
+        ValueError,
+        "FusedColwiseParallel \\(the module\\): fp8 granularity 'mx' with backward_in_fp8 needs the product's "
+        "columns \\(N = 40",
+        lambda: apply(nn.Linear(64, 40 * world), FusedColwiseParallel(fp8=mx))(
+            torch.randn(2, 4, 64, requires_grad=True)
+        ),
+    )
+    _raises(
+        ValueError,
+        "FusedRowwiseParallel \\(the module\\): fp8 granularity 'mx' with backward_in_fp8 needs the product's "
+        "columns \\(N = 40",
+        lambda: apply(nn.Linear(32 * world, 40), FusedRowwiseParallel(fp8=mx))(
+            torch.randn(2, 4, 32, requires_grad=True)
+        ),
+    )
     _raises(
         TypeError,
         "fp8 cannot serve the module's dtype torch.float64",

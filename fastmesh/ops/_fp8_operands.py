@@ -206,7 +206,13 @@ def check_fp8_contraction(config: Float8Config, k: int, n: int, backward_in_fp8:
         raise ValueError(
             f"{op}: fp8 granularity 'mx' needs the contraction dim (K = {k}) to be a multiple of {MX_BLOCK}"
         )
-    if backward_in_fp8 and n % MX_BLOCK:
+    if backward_in_fp8:
+        check_fp8_dgrad_columns(config, n, op)
+
+
+def check_fp8_dgrad_columns(config: Float8Config, n: int, op: str) -> None:
+    """An FP8 dgrad in MX blocks contracts over the product's columns (N), which 32 must then divide."""
+    if config.granularity == MX and n % MX_BLOCK:
         raise ValueError(
             f"{op}: fp8 granularity 'mx' with backward_in_fp8 needs the product's columns (N = {n}, the dgrad's "
             f"contraction dim) to be a multiple of {MX_BLOCK}; pass backward_in_fp8=False or pad N"

@@ -55,6 +55,7 @@ from fastmesh.mesh import group_name
 from fastmesh.ops import all_gather_matmul, autocast, matmul_all_gather, matmul_all_reduce, matmul_reduce_scatter
 from fastmesh.ops._collectives import all_gather
 from fastmesh.ops._dtensor import wrap_local
+from fastmesh.ops._fp8_operands import check_fp8_dgrad_columns, fp8_dgrad_possible
 from fastmesh.ops._shards import even_contraction, even_shard, first_rows, own_part, rows_to_scatter
 from fastmesh.ops.replicated_input import replicated_input_matmul
 from fastmesh.parallel._common import (
@@ -237,6 +238,9 @@ class FusedColwiseParallel(ParallelStyle):
             out = matmul_all_gather(x, weight.t(), group=group, pieces=self.pieces)
             return None, [self._gathered_output(out, mesh, linear.out_features)]
         weights = self._local_weights(mesh, named_linears)
+        if self.fp8 is not None and fp8_dgrad_possible(self.fp8, x_shard):  # said here in the style's words
+            for (what, _), weight in zip(named_linears, weights):
+                check_fp8_dgrad_columns(self.fp8, weight.shape[0], f"{_COLWISE} ({what})")
         a, outs = all_gather_matmul(
             x_shard,
             [w.t() for w in weights],
@@ -426,6 +430,8 @@ class FusedRowwiseParallel(ParallelStyle):
             out = matmul_all_reduce(a, b, group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
             return self._prepare_output_fn(out, mesh, Replicate(), linear.bias)
         dim = sequence_dim(self.output_layouts[0], x, _ROWWISE, "output_layouts")
+        if self.fp8 is not None and fp8_dgrad_possible(self.fp8, a):  # said here in the style's words
+            check_fp8_dgrad_columns(self.fp8, b.shape[1], f"{_ROWWISE} (the module)")
         # A sequence the TP degree does not divide leaves in torch's uneven shards (padded to scatter).
         out = matmul_reduce_scatter(
             rows_to_scatter(a, dim, mesh.size()), b, dim, group=group_name(mesh), pieces=self.pieces, fp8=self.fp8
