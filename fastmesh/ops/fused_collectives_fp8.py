@@ -369,7 +369,7 @@ def matmul_reduce_scatter_fp8(
     """The fronts' ``fp8=`` path of matmul_reduce_scatter (module docstring)."""
     # The dgrad gathers the product's scattered dim. Scattered columns make that the contraction dim, which the
     # FP8 gather cannot take (ranks' scales would share a dot product): that dgrad stays in a.dtype. So does one
-    # with no columns (b [K, 0]): the FP8 gather takes no empty last dim, and there is nothing to shrink.
+    # with no columns (b [K, 0]): there is nothing to shrink.
     dgrad_in_fp8 = fp8_dgrad_possible(config, a) and scatter_dim % a.dim() != a.dim() - 1 and b.shape[1] > 0
     check_fp8_contraction(config, b.shape[0], b.shape[1], dgrad_in_fp8, "fastmesh.matmul_reduce_scatter")
     return _Float8MatmulReduceScatter.apply(config, group_name, scatter_dim, reduce_op, pieces, dgrad_in_fp8, a, b)
