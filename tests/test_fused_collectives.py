@@ -787,6 +787,13 @@ def test_shard_shapes_that_differ_across_ranks_raise_on_every_rank():
         # An empty shard on one rank only: still a call whose shapes differ.
         with pytest.raises(ValueError, match=r"a_shard must have the same shape"):
             fastmesh.all_gather_matmul(torch.randn(rank % 2, 4), [torch.randn(4, 2)], 0, group=group)
+        # A different number of bs: the operands' count is compared first (their shapes' transfer is sized by it).
+        with pytest.raises(
+            ValueError,
+            match=r"every rank of the group must pass the same operands, got different "
+            r"numbers of tensors \(rank 0: 2, rank 1: 3",
+        ):
+            fastmesh.all_gather_matmul(torch.randn(3, 4), [torch.randn(4, 2)] * (1 + rank % 2), 0, group=group)
 
     mismatched_calls(dist.new_group(list(range(world))))  # first calls on a new group
     fastmesh.all_gather_matmul(torch.randn(3, 4), [torch.randn(4, 2)], 0)  # passes: later calls are not checked

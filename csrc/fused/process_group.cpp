@@ -254,6 +254,20 @@ bool checks_every_call() {
 std::mutex checked_mutex;
 std::set<std::string> checked_calls;  // group name / op / arguments whose first call passed the check
 
+// `values` of every rank of the group, rank after rank, on the CPU (sent from `device`, which the group serves).
+at::Tensor gather_longs(const Group& group, const char* op, const at::Device& device,
+                        const std::vector<int64_t>& values) {
+  const int64_t n = static_cast<int64_t>(values.size());
+  at::Tensor mine = at::empty({n}, at::kLong);
+  std::copy(values.begin(), values.end(), mine.mutable_data_ptr<int64_t>());
+  at::Tensor send = device.is_cpu() ? mine : mine.to(device);
+  at::Tensor all = at::empty({group->getSize() * n}, send.options());
+  InFlight check(group, op, "the cross-rank shape check (before the pieces)");
+  check.add({start_all_gather(group, all, send)});
+  check.wait(0);
+  return all.cpu();
+}
+
 std::string call_key(const Group& group, const char* op, const std::vector<std::string>& args) {
   std::string key = group->getGroupName() + "/" + op;
   for (const std::string& arg : args) key += "/" + arg;
@@ -287,25 +301,28 @@ void check_same_shapes_on_all_ranks(const Group& group, const std::vector<at::Te
   const std::string key = call_key(group, op, args);
   if (!checks_this_call(device, key)) return;
 
-  const int64_t slots_per_rank = kShapeSlots * static_cast<int64_t>(tensors.size());
-  at::Tensor mine = at::zeros({slots_per_rank}, at::kLong);
-  int64_t* slots = mine.mutable_data_ptr<int64_t>();
-  for (size_t t = 0; t < tensors.size(); ++t) fingerprint(tensors[t], slots + t * kShapeSlots);
-
-  at::Tensor send = device.is_cpu() ? mine : mine.to(device);
-  at::Tensor all = at::empty({world * slots_per_rank}, send.options());
-  {
-    RECORD_USER_SCOPE("fastmesh::check_shapes");
-    InFlight check(group, op, "the cross-rank shape check (before the pieces)");
-    check.add({start_all_gather(group, all, send)});
-    check.wait(0);
+  RECORD_USER_SCOPE("fastmesh::check_shapes");
+  // The operand count first, in a transfer of one size on every rank: the fingerprints' transfer is sized by it,
+  // and transfers of different sizes abort gloo rather than raise.
+  const at::Tensor counts = gather_longs(group, op, device, {static_cast<int64_t>(tensors.size())});
+  const int64_t* count_of = counts.const_data_ptr<int64_t>();
+  if (std::any_of(count_of, count_of + world, [&](int64_t c) { return c != count_of[0]; })) {
+    std::ostringstream ranks, mine;
+    for (int64_t r = 0; r < world; ++r) ranks << (r ? ", " : "") << "rank " << r << ": " << count_of[r];
+    for (size_t t = 0; t < args.size(); ++t) mine << (t ? ", " : "") << args[t];
+    TORCH_CHECK_VALUE(false, op, ": every rank of the group must pass the same operands, got different numbers of ",
+                      "tensors (", ranks.str(), "; this rank's: ", mine.str(), ")");
   }
-  const at::Tensor gathered = all.cpu();
+
+  const int64_t slots_per_rank = kShapeSlots * static_cast<int64_t>(tensors.size());
+  std::vector<int64_t> slots(slots_per_rank, 0);
+  for (size_t t = 0; t < tensors.size(); ++t) fingerprint(tensors[t], slots.data() + t * kShapeSlots);
+  const at::Tensor gathered = gather_longs(group, op, device, slots);
   const int64_t* theirs = gathered.const_data_ptr<int64_t>();
   for (size_t t = 0; t < tensors.size(); ++t) {
     bool same = true;
     for (int64_t r = 0; r < world; ++r) {
-      same = same && std::equal(slots + t * kShapeSlots, slots + (t + 1) * kShapeSlots,
+      same = same && std::equal(slots.begin() + t * kShapeSlots, slots.begin() + (t + 1) * kShapeSlots,
                                 theirs + r * slots_per_rank + t * kShapeSlots);
     }
     if (same) continue;

@@ -278,7 +278,8 @@ def quantize(
         >>> y = torch._scaled_mm(qx.data, qw.data.t(), qx.scale, qw.scale.t(), out_dtype=torch.bfloat16)
     """
     op = "fastmesh.fp8.quantize"
-    check_tensor(x, op, "x", FLOAT_INPUTS)
+    if not isinstance(x, torch.Tensor):  # the rest of x is the op's to check (dynamo's backward bans x.layout here)
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
     if granularity not in (*GRANULARITIES, MX):
         known = ", ".join(map(repr, (*GRANULARITIES, MX)))
         raise ValueError(f"{op}: granularity must be one of {known}, got {granularity!r}")
