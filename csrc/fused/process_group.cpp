@@ -3,7 +3,6 @@
 #include "fastmesh/checks.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/debug.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>

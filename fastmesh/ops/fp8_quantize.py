@@ -48,6 +48,7 @@ from fastmesh.ops._checks import (
     check_tensor,
     scale_shape,
 )
+from fastmesh.ops._fused_common import as_matrix
 from fastmesh.ops._library import qualified_name, signature
 from fastmesh.ops.amax import amax as group_amax
 from fastmesh.ops.mx_quantize import mx_quantize
@@ -79,8 +80,7 @@ class Float8Quantized(NamedTuple):
         if data is None:
             raise ValueError("Float8Quantized.dequantize: transposed=True needs a quantize(..., transpose=True) result")
         if 0 < scale.dim() != data.dim():  # 128 x 128 blocks of an N-D x: the scale's layout is x as [M, K]
-            rows = data.reshape(math.prod(data.shape[:-1]), data.shape[-1])  # not (-1, K): ambiguous for K = 0
-            return dequantize(rows, scale, dtype).reshape(data.shape)
+            return dequantize(as_matrix(data), scale, dtype).reshape(data.shape)
         return dequantize(data, scale, dtype)
 
 
