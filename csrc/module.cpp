@@ -167,15 +167,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       arg("a_dtype"), arg("b"), arg("out_dtype"), arg("column_part"));
   m.def(
       "check_same_shapes_on_all_ranks",
-      [](const std::vector<at::Tensor>& tensors, const std::vector<std::string>& args, const std::string& group_name,
-         const std::string& op) {
+      [](const std::vector<at::Tensor>& tensors, const std::vector<std::string>& args,
+         const std::vector<fastmesh::fused::Option>& options, const std::string& group_name, const std::string& op) {
         fastmesh::fused::check_same_shapes_on_all_ranks(fastmesh::fused::resolve_group(group_name, op.c_str()), tensors,
-                                                        args, op.c_str());
+                                                        args, options, op.c_str());
       },
-      "The fused ops' cross-rank shape check (csrc/fused/process_group.h) of `tensors`, named `args`: on the "
-      "first call per op and arguments on CPU groups; on every call with FASTMESH_SHAPE_CHECK=every or "
-      "TORCH_DISTRIBUTED_DEBUG=DETAIL.",
-      arg("tensors"), arg("args"), arg("group_name"), arg("op"), gil);
+      "The fused ops' cross-rank check (csrc/fused/process_group.h) of `tensors`' shapes, named `args`, and of "
+      "`options` ((name, value as text) pairs): on the first call per op and arguments on CPU groups; on every "
+      "call with FASTMESH_SHAPE_CHECK=every or TORCH_DISTRIBUTED_DEBUG=DETAIL.",
+      arg("tensors"), arg("args"), arg("options"), arg("group_name"), arg("op"), gil);
   m.def(
       "inject_fault", [](int64_t after, const std::string& action) { fastmesh::fused::inject_fault(after, action); },
       "Test-only: after `after` more pipeline pieces of the fused ops have started in this process, the next "

@@ -817,6 +817,49 @@ def test_shard_shapes_that_differ_across_ranks_raise_on_every_rank():
     assert t.item() == dist.get_world_size()
 
 
+@on_ranks(2, 4)
+def test_options_that_differ_across_ranks_raise_on_every_rank():
+    """The first call's check compares the options that change what travels or what is summed, and the op itself:
+    unchecked, gloo aborts on the first kind, and on the second the ranks' results silently differ. Square shards
+    make the two gather dims' transfers the same size: only the option tells them apart. (Two scatter dims always
+    scatter shapes that differ, which the shape check reports.)"""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))  # first calls on a new group
+    square, b = torch.randn(4, 4), torch.randn(4, 4)
+
+    def raises_naming(option: str, values: tuple[str, str]):
+        ranks = "".join(rf"\n  rank {r}: {values[r % 2]}" for r in range(world))
+        return pytest.raises(ValueError, match=rf"{option} must be the same on every rank of the group, got:{ranks}$")
+
+    with raises_naming("pieces", ("2", "3")):
+        fastmesh.all_gather_matmul(square, [b], 0, group=group, pieces=2 + rank % 2)
+    with raises_naming("return_a", ("False", "True")):
+        fastmesh.all_gather_matmul(square, [b], 0, group=group, return_a=rank % 2 == 1)
+    with raises_naming("gather_dim", ("0", "1")):
+        fastmesh.all_gather_matmul(square.unsqueeze(0), [b], rank % 2, group=group)
+    with raises_naming("reduce_op", ("'sum'", "'avg'")):
+        fastmesh.matmul_reduce_scatter(square, b, 0, group=group, reduce_op=("sum", "avg")[rank % 2])
+    with raises_naming("reduce_op", ("'sum'", "'avg'")):
+        fastmesh.matmul_all_reduce(square, b, group=group, reduce_op=("sum", "avg")[rank % 2])
+    with raises_naming("pieces", ("1", "2")):
+        fastmesh.matmul_all_gather(square, b, group=group, pieces=1 + rank % 2)
+    fp8 = fastmesh.fp8.Float8Config(granularity="rowwise")
+    with raises_naming("reduce_op", ("'sum'", "'avg'")):
+        fastmesh.matmul_all_reduce(square, b, group=group, reduce_op=("sum", "avg")[rank % 2], fp8=fp8)
+    # Ranks on different ops, both on their first call on the group: each is told which ranks called another.
+    others = ", ".join(str(r) for r in range(world) if r % 2 != rank % 2)
+    with pytest.raises(ValueError, match=rf"every rank of the group must call the same op, but rank\(s\) {others} "):
+        if rank % 2:
+            fastmesh.matmul_reduce_scatter(torch.randn(8, 4), b, 0, group=group, pieces=1)
+        else:
+            fastmesh.matmul_all_gather(square, b, group=group, pieces=1)
+    # The same options on every rank pass, and the group is still usable.
+    fastmesh.all_gather_matmul(square, [b], 0, group=group, pieces=2)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    assert t.item() == world
+
+
 @on_ranks(2)
 def test_plan_is_logged_once_per_key():
     from log_capture import plan_log

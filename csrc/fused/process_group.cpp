@@ -213,19 +213,44 @@ namespace {
 
 // A fixed-size fingerprint per tensor so that the check itself cannot mismatch: [ndim, dtype, sizes..., fold].
 constexpr int64_t kShapeSlots = 10;
+constexpr uint64_t kFnvPrime = 1099511628211ull;  // FNV-1a: folds what does not fit a fingerprint's slots
 
 void fingerprint(const at::Tensor& tensor, int64_t* slots) {
   slots[0] = tensor.dim();
   slots[1] = static_cast<int64_t>(tensor.scalar_type());
-  uint64_t fold = 0;  // dims past the slots, hashed (FNV-1a): still detects a mismatch there
+  uint64_t fold = 0;  // dims past the slots, hashed: still detects a mismatch there
   for (int64_t i = 0; i < tensor.dim(); ++i) {
     if (i < kShapeSlots - 3) {
       slots[2 + i] = tensor.size(i);
     } else {
-      fold = (fold ^ static_cast<uint64_t>(tensor.size(i))) * 1099511628211ull;
+      fold = (fold ^ static_cast<uint64_t>(tensor.size(i))) * kFnvPrime;
     }
   }
   slots[kShapeSlots - 1] = static_cast<int64_t>(fold);
+}
+
+uint64_t text_hash(const std::string& text) {
+  uint64_t hash = 14695981039346656037ull;
+  for (const char c : text) hash = (hash ^ static_cast<unsigned char>(c)) * kFnvPrime;
+  return hash;
+}
+
+// An option's value as text in fixed slots: [length, hash of the whole text, its first kOptionTextBytes bytes].
+constexpr int64_t kOptionSlots = 4;
+constexpr size_t kOptionTextBytes = (kOptionSlots - 2) * sizeof(int64_t);
+
+void fingerprint(const std::string& value, int64_t* slots) {
+  slots[0] = static_cast<int64_t>(value.size());
+  slots[1] = static_cast<int64_t>(text_hash(value));
+  char text[kOptionTextBytes] = {};
+  value.copy(text, kOptionTextBytes);
+  std::memcpy(slots + 2, text, kOptionTextBytes);
+}
+
+std::string describe_option(const int64_t* slots) {
+  const size_t length = static_cast<size_t>(slots[0]);
+  std::string text(reinterpret_cast<const char*>(slots + 2), std::min(length, kOptionTextBytes));
+  return length > kOptionTextBytes ? text + "..." : text;
 }
 
 std::string describe(const int64_t* slots) {
@@ -267,9 +292,11 @@ at::Tensor gather_longs(const Group& group, const char* op, const at::Device& de
   return all.cpu();
 }
 
-std::string call_key(const Group& group, const char* op, const std::vector<std::string>& args) {
+std::string call_key(const Group& group, const char* op, const std::vector<std::string>& args,
+                     const std::vector<Option>& options) {
   std::string key = group->getGroupName() + "/" + op;
   for (const std::string& arg : args) key += "/" + arg;
+  for (const Option& option : options) key += "/" + option.first;
   return key;
 }
 
@@ -290,47 +317,73 @@ void passed_check(const std::string& key) {
 }  // namespace
 
 void check_same_shapes_on_all_ranks(const Group& group, const std::vector<at::Tensor>& tensors,
-                                    const std::vector<std::string>& args, const char* op) {
+                                    const std::vector<std::string>& args, const std::vector<Option>& options,
+                                    const char* op) {
   TORCH_CHECK_VALUE(!tensors.empty() && tensors.size() == args.size(), op,
                     ": the shape check takes one name per tensor, got ", tensors.size(), " tensors and ", args.size(),
                     " names");
   const int64_t world = group->getSize();
   const at::Device device = tensors[0].device();
   if (world == 1) return;
-  const std::string key = call_key(group, op, args);
+  const std::string key = call_key(group, op, args, options);
   if (!checks_this_call(device, key)) return;
 
   RECORD_USER_SCOPE("fastmesh::check_shapes");
-  // The operand count first, in a transfer of one size on every rank: the fingerprints' transfer is sized by it,
-  // and transfers of different sizes abort gloo rather than raise.
-  const at::Tensor counts = gather_longs(group, op, device, {static_cast<int64_t>(tensors.size())});
-  const int64_t* count_of = counts.const_data_ptr<int64_t>();
-  if (std::any_of(count_of, count_of + world, [&](int64_t c) { return c != count_of[0]; })) {
-    std::ostringstream ranks, mine;
-    for (int64_t r = 0; r < world; ++r) ranks << (r ? ", " : "") << "rank " << r << ": " << count_of[r];
+  // The op and the operand count first, in a transfer of one size on every rank: the fingerprints' transfer is
+  // sized by them, and transfers of different sizes abort gloo rather than raise.
+  const int64_t op_hash = static_cast<int64_t>(text_hash(op));
+  const at::Tensor headers = gather_longs(group, op, device, {op_hash, static_cast<int64_t>(tensors.size())});
+  const int64_t* header_of = headers.const_data_ptr<int64_t>();
+  std::ostringstream other_op, counts;
+  for (int64_t r = 0; r < world; ++r) {
+    if (header_of[2 * r] != op_hash) other_op << (other_op.tellp() > 0 ? ", " : "") << r;
+    counts << (r ? ", " : "") << "rank " << r << ": " << header_of[2 * r + 1];
+  }
+  TORCH_CHECK_VALUE(other_op.tellp() == 0, op, ": every rank of the group must call the same op, but rank(s) ",
+                    other_op.str(), " called another fused op where this rank called this one");
+  for (int64_t r = 0; r < world; ++r) {
+    if (header_of[2 * r + 1] == static_cast<int64_t>(tensors.size())) continue;
+    std::ostringstream mine;
     for (size_t t = 0; t < args.size(); ++t) mine << (t ? ", " : "") << args[t];
     TORCH_CHECK_VALUE(false, op, ": every rank of the group must pass the same operands, got different numbers of ",
-                      "tensors (", ranks.str(), "; this rank's: ", mine.str(), ")");
+                      "tensors (", counts.str(), "; this rank's: ", mine.str(), ")");
   }
 
-  const int64_t slots_per_rank = kShapeSlots * static_cast<int64_t>(tensors.size());
+  // The same op on every rank: the same options, so the same transfer size.
+  const int64_t tensor_slots = kShapeSlots * static_cast<int64_t>(tensors.size());
+  const int64_t slots_per_rank = tensor_slots + kOptionSlots * static_cast<int64_t>(options.size());
   std::vector<int64_t> slots(slots_per_rank, 0);
   for (size_t t = 0; t < tensors.size(); ++t) fingerprint(tensors[t], slots.data() + t * kShapeSlots);
+  for (size_t o = 0; o < options.size(); ++o)
+    fingerprint(options[o].second, slots.data() + tensor_slots + o * kOptionSlots);
   const at::Tensor gathered = gather_longs(group, op, device, slots);
   const int64_t* theirs = gathered.const_data_ptr<int64_t>();
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    bool same = true;
+  auto same_on_every_rank = [&](int64_t first, int64_t count) {
     for (int64_t r = 0; r < world; ++r) {
-      same = same && std::equal(slots.begin() + t * kShapeSlots, slots.begin() + (t + 1) * kShapeSlots,
-                                theirs + r * slots_per_rank + t * kShapeSlots);
+      if (!std::equal(slots.begin() + first, slots.begin() + first + count, theirs + r * slots_per_rank + first)) {
+        return false;
+      }
     }
-    if (same) continue;
+    return true;
+  };
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    if (same_on_every_rank(t * kShapeSlots, kShapeSlots)) continue;
     std::ostringstream ranks;
     for (int64_t r = 0; r < world; ++r) {
       ranks << "\n  rank " << r << ": " << describe(theirs + r * slots_per_rank + t * kShapeSlots);
     }
     TORCH_CHECK_VALUE(false, op, ": ", args[t],
                       " must have the same shape and dtype on every rank of the group, got:", ranks.str());
+  }
+  for (size_t o = 0; o < options.size(); ++o) {
+    const int64_t first = tensor_slots + o * kOptionSlots;
+    if (same_on_every_rank(first, kOptionSlots)) continue;
+    std::ostringstream ranks;
+    for (int64_t r = 0; r < world; ++r) {
+      ranks << "\n  rank " << r << ": " << describe_option(theirs + r * slots_per_rank + first);
+    }
+    TORCH_CHECK_VALUE(false, op, ": ", options[o].first,
+                      " must be the same on every rank of the group, got:", ranks.str());
   }
   passed_check(key);
 }

@@ -129,16 +129,21 @@ class InFlight {
   std::vector<size_t> waited_;  // per piece, how many of its transfers have been waited for
 };
 
-// Errors on every rank, naming the op, the argument and each rank's shape, unless each of `tensors` (named by
-// `args`) has the same shape and dtype on every rank of `group`. A transfer of mismatched sizes is not an
-// error gloo reports: it aborts the receiving process (an uncatchable C++ exception on its I/O thread) and
-// hands the sender garbage. The check is one small all-gather of every tensor's fingerprint, but also a
-// barrier at the start of the op (docs/errors.md has its measured cost). So by default it runs on the first
-// call of each op and arguments on each CPU group; FASTMESH_SHAPE_CHECK=every (or
-// TORCH_DISTRIBUTED_DEBUG=DETAIL) checks every call, on CPU and CUDA (where it also syncs the host). Otherwise
-// equal shapes are the caller's duty, as for torch's own collectives.
+// An option of a fused op (its name, its value as text), compared across ranks by the shape check.
+using Option = std::pair<std::string, std::string>;
+
+// Errors on every rank, naming the op, the argument and each rank's shape, unless every rank calls the same op
+// with the same number of tensors, each of `tensors` (named by `args`) has the same shape and dtype on every rank
+// of `group`, and so has each of `options` the same value. A transfer of mismatched sizes is not an error gloo
+// reports: it aborts the receiving process (an uncatchable C++ exception on its I/O thread) and hands the sender
+// garbage; options that differ change what travels or what is summed. The check is two small all-gathers (the op
+// and the count, then every fingerprint), but also a barrier at the start of the op (docs/errors.md has its
+// measured cost). So by default it runs on the first call of each op and arguments on each CPU group;
+// FASTMESH_SHAPE_CHECK=every (or TORCH_DISTRIBUTED_DEBUG=DETAIL) checks every call, on CPU and CUDA (where it
+// also syncs the host). Otherwise equal shapes and options are the caller's duty, as for torch's own collectives.
 void check_same_shapes_on_all_ranks(const Group& group, const std::vector<at::Tensor>& tensors,
-                                    const std::vector<std::string>& args, const char* op);
+                                    const std::vector<std::string>& args, const std::vector<Option>& options,
+                                    const char* op);
 
 // Test-only fault injection (tests/test_faults.py): the fused ops' next pipeline pieces (not the shape check, not
 // the FP8 scales' gather) start as usual until `after` of them have started; the one after that starts, then

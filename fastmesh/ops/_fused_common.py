@@ -43,15 +43,17 @@ def resolve_pieces(pieces, chunks, where: str, stacklevel: int = 3):
     return chunks
 
 
-def check_same_shapes(group_name: str, op: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Errors on every rank (ValueError naming the argument and each rank's shape) unless each of ``tensors``
-    (argument name -> tensor) has the same shape and dtype on every rank of the group: one small all-gather on the
+def check_same_shapes(group_name: str, op: str, tensors: dict[str, torch.Tensor], **options) -> None:
+    """Errors on every rank (ValueError naming the argument and each rank's shape or value) unless every rank calls
+    ``op`` with the same number of ``tensors`` (argument name -> tensor), each of the same shape and dtype, and
+    with the same ``options`` (argument name -> value, compared as its ``repr``): two small all-gathers on the
     first call of each op and arguments on a CPU group, or on every call with ``FASTMESH_SHAPE_CHECK=every``
     (``csrc/fused/process_group.h``; docs/errors.md). Called before the ranks agree on a plan: ranks whose calls
     differ must all fail here, not in the planner or the pipeline. Every operand is checked, not only what
     travels: the ranks agree on a plan once per shape, so operands that differ across ranks (a contraction split
     unevenly) would leave one rank waiting for an agreement the others think they have."""
-    _cpp_lib.load().check_same_shapes_on_all_ranks(list(tensors.values()), list(tensors), group_name, op)
+    named_values = [(name, repr(value)) for name, value in options.items()]
+    _cpp_lib.load().check_same_shapes_on_all_ranks(list(tensors.values()), list(tensors), named_values, group_name, op)
 
 
 def check_pieces(pieces, op: str) -> None:

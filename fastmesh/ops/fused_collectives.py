@@ -157,7 +157,10 @@ def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=Fals
 
     if world == 1:
         return run(plans.FIXED)
-    check_same_shapes(group_name, _AG, {"a_shard": a_shard, **{f"bs[{i}]": b for i, b in enumerate(bs)}})
+    bs_shapes = {f"bs[{i}]": b for i, b in enumerate(bs)}
+    check_same_shapes(
+        group_name, _AG, {"a_shard": a_shard, **bs_shapes}, gather_dim=dim, return_a=return_a, pieces=pieces
+    )
     if a_shard.numel() == 0:
         return run(plans.FIXED)
     measuring = plans.mode() == "measure"
@@ -188,7 +191,8 @@ def _matmul_reduce_scatter_kernel(a, b, scatter_dim, reduce_op, group_name, piec
     if world == 1:
         return run(plans.FIXED)
     product = scattered_shape(a.shape, b.shape[1], dim, world)  # what travels: its shape, not its values
-    check_same_shapes(group_name, _RS, {"a @ b": a.new_empty(()).expand(product), "a": a, "b": b})
+    operands = {"a @ b": a.new_empty(()).expand(product), "a": a, "b": b}
+    check_same_shapes(group_name, _RS, operands, scatter_dim=dim, reduce_op=reduce_op, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
     return run(plans.decide(scatter_plan_call(a, b, dim, group_name), pieces, run).plan)

@@ -202,7 +202,8 @@ def _all_gather_scaled_matmul_kernel(
         return run(plans.FIXED)
     # Row-wise and tensor-wise shards cannot meet in one gathered a: a_scale is compared too.
     bs_shapes = {f"bs[{i}]": b for i, b in enumerate(bs)}
-    check_same_shapes(group_name, _AG, {"a_shard": a_shard, "a_scale": a_scale, **bs_shapes})
+    operands = {"a_shard": a_shard, "a_scale": a_scale, **bs_shapes}
+    check_same_shapes(group_name, _AG, operands, gather_dim=dim, return_a=return_a, pieces=pieces)
     if a_shard.numel() == 0:
         return run(plans.FIXED)
     return run(
@@ -231,7 +232,8 @@ def _scaled_matmul_reduce_scatter_kernel(
     if group.size() == 1:
         return run(plans.FIXED)
     product = scattered_shape(a.shape, b.shape[1], dim, group.size())
-    check_same_shapes(group_name, _RS, {"a @ b": a.new_empty((), dtype=out_dtype).expand(product), "a": a, "b": b})
+    operands = {"a @ b": a.new_empty((), dtype=out_dtype).expand(product), "a": a, "b": b}
+    check_same_shapes(group_name, _RS, operands, scatter_dim=dim, reduce_op=reduce_op, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
     call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, group_name, out_dtype, layouts)

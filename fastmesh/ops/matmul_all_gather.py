@@ -79,7 +79,7 @@ def _matmul_all_gather_kernel(a, b, group_name, pieces=0):
     if world == 1:
         return run(plans.FIXED)
     product = a.new_empty(()).expand(list(a.shape[:-1]) + [b.shape[1]])
-    check_same_shapes(group_name, _OP, {"a @ b": product, "a": a, "b": b})
+    check_same_shapes(group_name, _OP, {"a @ b": product, "a": a, "b": b}, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
     return run(plans.decide(plan_call(a, b, group_name), pieces, run).plan)

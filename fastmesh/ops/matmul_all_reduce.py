@@ -118,7 +118,8 @@ def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
 
     if world == 1:
         return run(plans.FIXED)
-    check_same_shapes(group_name, _OP, {"a @ b": a.new_empty(()).expand(_product_shape(a, b)), "a": a, "b": b})
+    operands = {"a @ b": a.new_empty(()).expand(_product_shape(a, b)), "a": a, "b": b}
+    check_same_shapes(group_name, _OP, operands, reduce_op=reduce_op, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
     return run(plans.decide(plan_call(a, b, group_name), pieces, run).plan)
@@ -138,7 +139,7 @@ def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_na
     if world == 1:
         return run(plans.FIXED)
     product = a.new_empty((), dtype=out_dtype).expand(_product_shape(a, b))
-    check_same_shapes(group_name, _SOP, {"a @ b": product, "a": a, "b": b})
+    check_same_shapes(group_name, _SOP, {"a @ b": product, "a": a, "b": b}, reduce_op=reduce_op, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
         return run(plans.FIXED)
     return run(plans.decide(scaled_plan_call(a, a_scale, b, b_scale, group_name, out_dtype, layouts), pieces, run).plan)
