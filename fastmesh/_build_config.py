@@ -36,8 +36,11 @@ BUILD_INFO_MARKER = "FASTMESH_BUILD_INFO_V1"
 
 # -fopenmp: ATen's at::parallel_for runs serially in code compiled without it (its inline
 # implementation keys on _OPENMP); linking it shares torch's OpenMP runtime, so torch.set_num_threads
-# governs fastmesh's kernels too.
-CXX_FLAGS = ["-O3", "-fopenmp"]
+# governs fastmesh's kernels too. -g1 overrides the -g of Python's own CFLAGS, which setuptools passes:
+# full debug info of torch's templates took a third of each source's compile time (18.0 s against 11.5 s
+# for fused/matmul_reduce_scatter.cpp, objects of 5.4 MB against 0.9 MB); line tables keep backtraces
+# that name the function, file and line.
+CXX_FLAGS = ["-O3", "-g1", "-fopenmp"]
 LINK_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "-lineinfo"]
 
