@@ -179,6 +179,31 @@ def test_ranks_agree_in_one_all_reduce_per_new_key():
     assert c10d_calls(lambda: fastmesh.all_gather_matmul(a, [b], 0)) == p2p_pieces(2, 1)
 
 
+@on_ranks(2)
+def test_a_call_is_planned_from_one_call_object_per_shape():
+    """Every call asks for its Call; one is built per distinct shape, dtype and thread count (building its candidates
+    and key was most of a planned call's host time), and forget() drops them."""
+    a, b = torch.randn(6, 5), torch.randn(5, 4)
+    first = _gather_call(a, [b], 0)
+    assert _gather_call(torch.randn(6, 5), [torch.randn(5, 4)], 0) is first
+    assert _scatter_call(torch.randn(6, 5), b, 0) is _scatter_call(a, b, 0)
+    others = [
+        _gather_call(torch.randn(8, 5), [b], 0),
+        _gather_call(a.double(), [b.double()], 0),
+        _scatter_call(a, b, 0),
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        others.append(_gather_call(a, [b], 0))
+    finally:
+        torch.set_num_threads(threads)
+    assert len({first.key, *(call.key for call in others)}) == 1 + len(others)
+    plans.forget()
+    again = _gather_call(a, [b], 0)
+    assert again is not first and again.key == first.key
+
+
 # ---- ranks agree ----
 
 

@@ -193,6 +193,23 @@ def _call(
     return Call(op, group_name, backend_of(group, a.device), a.device, fields, shape, tuple(candidates))
 
 
+# Calls built so far, by what each was built from: building one (its candidates, the model's shape, the key) is
+# most of a planned call's host time, where a decode loop repeats a few shapes (docs/plans.md). Grows with the
+# distinct shapes a process runs, as the agreed decisions do; forget() clears both.
+_calls: dict[tuple, Call] = {}
+
+
+def _memoized(group, a: torch.Tensor, arguments: tuple, build: Callable[[], Call]) -> Call:
+    """``build()``, or the Call it gave for the same ``arguments`` (the constructor's own, hashable) and the same
+    group size, backend, operand and threads: a group name can name another group after the default group is
+    destroyed and made again."""
+    memo = (group.size(), backend_of(group, a.device), a.shape, a.dtype, a.device, threads(a.device), *arguments)
+    call = _calls.get(memo)
+    if call is None:
+        call = _calls[memo] = build()
+    return call
+
+
 def gather_call(
     op: str,
     group,
@@ -206,6 +223,16 @@ def gather_call(
 ) -> Call:
     """The Call of an all-gather + matmul of ``a_shard`` along ``dim`` by bs (of a_shard's dtype) of ``ns``
     columns."""
+    arguments = ("gather", op, group_name, tuple(ns), dim, extra, allow_unfused, consumer_gemm)
+    return _memoized(
+        group,
+        a_shard,
+        arguments,
+        lambda: _gather_call(op, group, group_name, a_shard, ns, dim, extra, allow_unfused, consumer_gemm),
+    )
+
+
+def _gather_call(op, group, group_name, a_shard, ns, dim, extra, allow_unfused, consumer_gemm) -> Call:
     last = dim == a_shard.dim() - 1
     outer, shard_rows = _rows_around(a_shard, dim)
     units = outer if outer > 1 else shard_rows
@@ -243,6 +270,13 @@ def scatter_call(
     columns_pieces: bool = True,
 ) -> Call:
     """The Call of a matmul + reduce-scatter of ``a @ b`` (``b`` of ``n`` columns) along ``dim``."""
+    arguments = ("scatter", op, group_name, n, dim, out_dtype, extra, columns_pieces)
+    return _memoized(
+        group, a, arguments, lambda: _scatter_call(op, group, group_name, a, n, dim, out_dtype, extra, columns_pieces)
+    )
+
+
+def _scatter_call(op, group, group_name, a, n, dim, out_dtype, extra, columns_pieces) -> Call:
     world = group.size()
     last = dim == a.dim() - 1
     outer, rows = _rows_around(a, dim)
@@ -277,6 +311,11 @@ def product_call(
     """The Call of a matmul whose whole product ``a @ b`` (``b`` of ``n`` columns; in ``out_dtype``) then travels:
     ``kind`` ``"all_reduce"`` (matmul + all-reduce) or ``"product_all_gather"`` (matmul + all-gather of the
     product's columns). Pieces of the product's rows; one piece is the unfused plan."""
+    arguments = ("product", op, kind, group_name, n, out_dtype, extra)
+    return _memoized(group, a, arguments, lambda: _product_call(op, kind, group, group_name, a, n, out_dtype, extra))
+
+
+def _product_call(op, kind, group, group_name, a, n, out_dtype, extra) -> Call:
     rows = math.prod(a.shape[:-1])
     candidates = [Plan("rows", p) for p in plan_model.pieces_up_to(rows) if p > 1] + [UNFUSED]
     return _call(
@@ -318,6 +357,7 @@ def forget() -> None:
     with _lock:
         _agreed.clear()
         _last.clear()
+        _calls.clear()
     _log.forget(lambda said: isinstance(said, tuple) and said[0] == _LOG_KEY)
 
 
