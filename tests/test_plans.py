@@ -204,6 +204,21 @@ def test_a_call_is_planned_from_one_call_object_per_shape():
     assert again is not first and again.key == first.key
 
 
+@on_ranks(3)
+def test_a_rank_in_two_groups_agrees_in_each():
+    """Ranks 0 and 1, then ranks 0 and 2, make the same call on their own group: rank 0 has agreed on the key in the
+    first group, rank 2 has not, so the second group must agree again (rank 0 skipping it left rank 2 waiting)."""
+    rank = dist.get_rank()
+    plans.forget()
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 2])]
+    a, b = torch.ones(4, 8), torch.ones(8, 6)
+    for members, group in zip(([0, 1], [0, 2]), groups):
+        if rank in members:
+            assert torch.equal(fastmesh.matmul_all_reduce(a, b, group=group), torch.full((4, 6), 16.0))
+            assert torch.equal(fastmesh.all_gather_matmul(a, [b], 0, group=group)[1][0], torch.full((8, 6), 8.0))
+        dist.barrier()
+
+
 # ---- ranks agree ----
 
 

@@ -4,7 +4,7 @@ A plan is a schedule and a piece count: pieces of rows (the pipeline of ``csrc/i
 pieces of the product's columns (reduce-scatters: ``b`` read once whatever the piece count), ``"none"`` (the
 unfused sequence inside the op: the whole transfer, then one multiply per ``b``, or the reverse), or on CUDA
 the Triton consumer GEMM. The op's kernel builds the :class:`Call` (its key: op, shapes, dtypes, dim, group
-size, backend, device, threads) and asks :func:`decide`, once per key and process:
+size, backend, device, threads) and asks :func:`decide`, once per key, group and process:
 
 * ``pieces=N`` (N > 0) given by the caller wins: rows in N pieces;
 * ``FASTMESH_TUNE=off``: the fixed rule (rows, pieces from the size: ``pipeline.h``);
@@ -15,8 +15,8 @@ size, backend, device, threads) and asks :func:`decide`, once per key and proces
   same round (the slowest rank's), and the fastest plan is stored.
 
 Every rank must run the same plan (different plans exchange different messages). Ranks agree in one small
-all-reduce per key: rank 0's plan is taken (and whether every rank has a cached one), and measured times are
-reduced with MAX so that every rank picks from the same figures. Under CUDA-graph capture nothing is
+all-reduce per key and group: rank 0's plan is taken (and whether every rank has a cached one), and measured
+times are reduced with MAX so that every rank picks from the same figures. Under CUDA-graph capture nothing is
 measured or exchanged: the model decides (its constants are fixed, so every rank computes the same plan).
 Each key's decision is logged once (INFO, logger ``fastmesh.plans``).
 """
@@ -337,7 +337,9 @@ def _product_call(op, kind, group, group_name, a, n, out_dtype, extra) -> Call:
 # ---- the decision ----
 
 _lock = threading.Lock()
-_agreed: dict[str, Decision] = {}  # key -> the decision every rank took, for this process
+# (group name, key) -> the decision the group's ranks took, for this process. Per group: the ranks of two groups
+# of one size agree separately (a rank in both would skip the agreement the other group's ranks wait in).
+_agreed: dict[tuple[str, str], Decision] = {}
 _last: dict[str, tuple[str, Decision]] = {}  # op -> (key, decision) of its latest planned call
 _cache: PlanCache | None = None
 _override: Plan | None = None
@@ -468,7 +470,7 @@ def decide(
         return _remember(call, Decision(FIXED, f"fixed rule, {ENV_MODE}=off"), note)
     key = call.key
     with _lock:
-        agreed = _agreed.get(key)
+        agreed = _agreed.get((call.group_name, key))
     if agreed is not None:  # the common case, once per call: no log (said when it was agreed), no exchange
         _last[call.op] = (key, agreed)
         return agreed
@@ -496,7 +498,7 @@ def decide(
         plan = Plan(SPLITS[plan_code[0]], plan_code[1])
         decision = local if plan == local.plan else Decision(plan, "rank 0's plan")
     with _lock:
-        _agreed[key] = decision
+        _agreed[call.group_name, key] = decision
     return _remember(call, decision, note)
 
 
