@@ -160,19 +160,34 @@ def test_fp8_reduce_scatter_of_columns_has_a_high_precision_dgrad():
 @on_ranks(2)
 def test_fp8_front_gathered_a_gradient_passes_straight_through():
     """The dequantized gathered a that the fp8 front returns is differentiable: its gradient is reduce-scattered
-    into a_shard's (added to the products' terms), exactly as the high-precision op's gathered a."""
+    into a_shard's, exactly as the high-precision op's gathered a, beside the products' dgrad, which runs as the
+    config says (FP8 here) whether or not the gathered a is used, eager and compiled alike (compiled, an unused
+    output's gradient is zeros, not None: the dgrad once ran in high precision there)."""
     rank, name = dist.get_rank(), _world_name()
-    granularity = "rowwise" if ROWWISE_ON_CPU else "tensorwise"
+    config = Float8Config(granularity="rowwise" if ROWWISE_ON_CPU else "tensorwise")
     weight_of_a = randn((2, 16, 32), torch.float32, seed=7 + rank)  # differs per rank: a partial gradient
-    for use_products in (False, True):
+    b = randn((32, 24), torch.float32, seed=1)
+
+    def step(use_a: bool, use_products: bool, compiled: bool) -> torch.Tensor:
+        def loss_of(x):
+            a, (c,) = fastmesh.all_gather_matmul(x, [b], 1, return_a=True, fp8=config)
+            return (a * weight_of_a).sum() * use_a + c.sum() * use_products
+
         x = randn((2, 8, 32), torch.float32, seed=rank).requires_grad_()
-        b = randn((32, 24), torch.float32, seed=1)
-        a, (c,) = fastmesh.all_gather_matmul(x, [b], 1, return_a=True, fp8=Float8Config(granularity=granularity))
-        loss = (a * weight_of_a).sum() + (c.sum() if use_products else 0)
-        loss.backward()
-        want = ref.reduce_scatter(weight_of_a + (torch.ones_like(c) @ b.t() if use_products else 0), 1, name)
-        # The products' term is computed from the same b in the input dtype: exact up to fp32 summation order.
-        torch.testing.assert_close(x.grad, want, rtol=1e-6, atol=1e-5)
+        (torch.compile(loss_of, fullgraph=True) if compiled else loss_of)(x).backward()
+        return x.grad
+
+    hp_dgrad = ref.reduce_scatter(torch.ones(2, 16, 24) @ b.t(), 1, name)
+    dgrads = []
+    for compiled in (False, True):
+        straight = step(True, False, compiled)
+        torch.testing.assert_close(straight, ref.reduce_scatter(weight_of_a, 1, name), rtol=1e-6, atol=1e-5)
+        dgrads.append(step(False, True, compiled))
+        assert torch.equal(step(True, True, compiled), straight + dgrads[-1])
+    eager, compiled = dgrads
+    assert torch.equal(compiled, eager)
+    assert not torch.equal(eager, hp_dgrad)  # the FP8 dgrad (e5m2 gradients), not the input dtype's
+    assert (eager - hp_dgrad).norm() / hp_dgrad.norm() < 0.1
 
 
 # opcheck's test_schema compares inputs before and after the call with arithmetic that float8 tensors do

@@ -41,6 +41,7 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.ops import plans
 from fastmesh.ops._checks import FP8_DTYPES, check_tensor, wrap_dim
+from fastmesh.ops._collectives import reduce_scatter
 from fastmesh.ops._fp8_operands import (
     check_a_scale,
     check_b_scale,
@@ -62,7 +63,6 @@ from fastmesh.ops._fused_common import (
     gathered_shape,
     group_size,
     input_grad_operands,
-    reduce_scatter_gathered_grad,
     resolve_group,
     scattered_shape,
 )
@@ -267,21 +267,20 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
         ctx.config, ctx.group_name, ctx.gather_dim, ctx.pieces = config, group_name, gather_dim, pieces
         ctx.dtype = a_shard.dtype
         ctx.save_for_backward(a_full, a_full_scale, *bs)
-        ctx.mark_non_differentiable(a_full, a_full_scale)
-        # An unused output (the gathered a, or one of several products) gets no gradient, not zeros.
-        ctx.set_materialize_grads(False)
+        # The gathered a's own gradient takes another path (_GatheredGradient), so that the dgrad below runs as the
+        # config says whether or not the gathered a is used.
         gathered = dequantize(a_full, a_full_scale, a_shard.dtype) if return_a else None
+        ctx.mark_non_differentiable(*(t for t in (a_full, a_full_scale, gathered) if t is not None))
+        # An unused product gets no gradient, not zeros (eager; compiled, dynamo passes zeros).
+        ctx.set_materialize_grads(False)
         return (gathered, *outs)
 
     @staticmethod
-    def backward(ctx, grad_gathered, *grad_outs):
+    def backward(ctx, _grad_gathered, *grad_outs):
         a_full, a_full_scale, *bs = ctx.saved_tensors
         grads = [(g, i) for i, g in enumerate(grad_outs) if g is not None]
         grad_a = None
-        if ctx.needs_input_grad[5] and grad_gathered is not None:
-            # The gathered a's own gradient passes straight through the quantization (as FP8 training does).
-            grad_a = reduce_scatter_gathered_grad(grad_gathered, bs, grads, ctx.gather_dim, ctx.group_name)
-        elif ctx.needs_input_grad[5] and grads:
+        if ctx.needs_input_grad[5] and grads:
             grad_c, b_t = input_grad_operands(bs, grads)
             if ctx.config.backward_in_fp8:
                 g_data, g_scale = quantize_rows(grad_c, ctx.config.grad_dtype, ctx.config)
@@ -299,6 +298,23 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
             for g, i in grads:
                 grad_bs[i] = a_hp.t() @ as_matrix(g)
         return (None, None, None, None, None, grad_a, *grad_bs)
+
+
+class _GatheredGradient(torch.autograd.Function):
+    """The dequantized gathered a (``gathered``, not differentiable) as a function of ``a_shard``: its gradient
+    passes straight through the quantization (as FP8 training does) and is reduce-scattered back to the shards in
+    the input dtype, a transfer of its own. Apart from the products' dgrad because an output of an autograd.Function
+    that nothing uses gets zeros, not None, under torch.compile: the dgrad would not know whether the gathered a
+    has a gradient, and compiled and eager would run it differently."""
+
+    @staticmethod
+    def forward(ctx, gathered, a_shard, gather_dim, group_name):
+        ctx.gather_dim, ctx.group_name = gather_dim, group_name
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, reduce_scatter(grad.contiguous(), ctx.gather_dim, ctx.group_name), None, None
 
 
 class _Float8MatmulReduceScatter(torch.autograd.Function):
@@ -362,6 +378,8 @@ def all_gather_matmul_fp8(
             config, b.shape[0], b.shape[1], fp8_dgrad_possible(config, a_shard), "fastmesh.all_gather_matmul"
         )
     gathered, *outs = _Float8AllGatherMatmul.apply(config, group_name, gather_dim, pieces, return_a, a_shard, *bs)
+    if gathered is not None and a_shard.requires_grad:
+        gathered = _GatheredGradient.apply(gathered, a_shard, gather_dim % a_shard.dim(), group_name)
     return gathered, list(outs)
 
 
