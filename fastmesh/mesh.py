@@ -131,8 +131,8 @@ def group_name(group: ProcessGroup | DeviceMesh | tuple[DeviceMesh, str] | str |
         str: the name under which the group is registered with c10d.
 
     Raises:
-        ValueError: a multi-axis mesh without an axis, an unknown axis name, or a string
-            that names no registered group.
+        ValueError: a multi-axis mesh without an axis, an unknown axis name, a string
+            that names no registered group, or ``GroupMember.NON_GROUP_MEMBER`` (this rank is not in the group).
         TypeError: anything else.
         RuntimeError: ``None`` while no default process group is initialized.
 
@@ -159,6 +159,11 @@ def group_name(group: ProcessGroup | DeviceMesh | tuple[DeviceMesh, str] | str |
         return _axis_group_name(*group)
     if isinstance(group, str):
         return _registered_group_name(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # an int: what new_group returns on the ranks it leaves out
+        raise ValueError(
+            "group_name() got GroupMember.NON_GROUP_MEMBER: this rank is not a member of the group "
+            "(torch.distributed.new_group returns it on the ranks it leaves out); call the op on the group's ranks only"
+        )
     raise TypeError(
         "group_name() takes a ProcessGroup, a 1-D DeviceMesh, a (DeviceMesh, axis_name) tuple, "
         f"a group-name string or None, not {type(group).__name__}"

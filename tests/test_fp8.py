@@ -345,6 +345,18 @@ def test_front_errors_name_the_argument():
     for granularity in ("rowwise", "mx"):
         with pytest.raises(TypeError, match=r"fastmesh.fp8.quantize: x must be a torch.Tensor, got list"):
             fastmesh.fp8.quantize([[1.0] * 32], dtype=E4M3, granularity=granularity)
+        # Arguments the op's schema would refuse with the dispatcher's words, or take (transpose=1).
+        with pytest.raises(TypeError, match=r"quantize: dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
+            fastmesh.fp8.quantize(x, dtype="e4m3", granularity=granularity)
+        for flag, value in (("transpose", 1), ("transpose", "yes")):
+            with pytest.raises(TypeError, match=rf"quantize: {flag} must be a bool, got {type(value).__name__}"):
+                fastmesh.fp8.quantize(x, dtype=E4M3, granularity=granularity, **{flag: value})
+    with pytest.raises(TypeError, match=r"quantize: power_of_two must be a bool, got str"):
+        fastmesh.fp8.quantize(x, dtype=E4M3, granularity="rowwise", power_of_two="no")
+    with pytest.raises(ValueError, match=r"quantize: amax_group: .*no process group is registered under the name 'tp'"):
+        fastmesh.fp8.quantize(x, dtype=E4M3, granularity="rowwise", amax_group="tp")
+    with pytest.raises(TypeError, match=r"Float8Config: backward_in_fp8 must be a bool, got int"):
+        fastmesh.fp8.Float8Config(backward_in_fp8=1)
 
 
 def test_native_kernel_checks_bypassing_python():

@@ -708,9 +708,22 @@ def _bad_reduce_scatter_calls(world):
     ]
 
 
+def _bad_front_arguments():
+    """Arguments the op's schema would refuse (or take) less clearly: the fronts check them first."""
+    a, b = torch.randn(4, 6), torch.randn(6, 5)
+    return [
+        (dict(a_shard=a, bs=None, gather_dim=0), TypeError, r"bs must be a list of matrices, got NoneType"),
+        (dict(a_shard=a, bs=[b], gather_dim=0, return_a="yes"), TypeError, r"return_a must be a bool, got str"),
+        (dict(a_shard=a, bs=[b], gather_dim=0, return_a=None), TypeError, r"return_a must be a bool, got NoneType"),
+        (dict(a_shard=a, bs=[b], gather_dim=0, pieces=True), TypeError, r"pieces must be an int, got bool"),
+        (dict(a_shard=a, bs=[b], gather_dim=0, pieces=2.0), TypeError, r"pieces must be an int, got float"),
+        (dict(a_shard=a, bs=[b], gather_dim=0, pieces=2**63), ValueError, r"pieces must be an int >= 0"),
+    ]
+
+
 @on_ranks(2, 4)
 def test_bad_inputs_raise_on_every_rank(world_size):
-    for kwargs, error, match in _bad_all_gather_calls(world_size):
+    for kwargs, error, match in _bad_all_gather_calls(world_size) + _bad_front_arguments():
         with pytest.raises(error, match=match):
             fastmesh.all_gather_matmul(**kwargs)
     for kwargs, error, match in _bad_reduce_scatter_calls(world_size):

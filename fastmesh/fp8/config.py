@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastmesh.ops._checks import GRANULARITIES, MX, SCALE_ROUNDINGS, check_fp8_dtype
+from fastmesh.ops._checks import GRANULARITIES, MX, SCALE_ROUNDINGS, check_bool, check_fp8_dtype
 
 SCALINGS = ("current", "delayed")
 AMAX_COMPUTE = ("max", "most_recent")
@@ -47,6 +47,8 @@ class Float8Config:
     def __post_init__(self):
         for name in ("dtype", "grad_dtype"):
             check_fp8_dtype(getattr(self, name), "Float8Config", name)
+        for name in ("power_of_two", "backward_in_fp8"):
+            check_bool(getattr(self, name), "Float8Config", name)
         if self.granularity not in GRANULARITIES + (MX,):
             raise ValueError(
                 f"Float8Config: granularity must be one of {GRANULARITIES + (MX,)}, got {self.granularity!r}"

@@ -57,6 +57,11 @@ def check_tensor(
         raise ValueError(f"{op}: {arg} must be on {device_of}'s device {device}, got {t.device}")
 
 
+def check_bool(value, op: str, arg: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {arg} must be a bool, got {type(value).__name__}")
+
+
 def check_fp8_dtype(dtype: torch.dtype, op: str, arg: str = "dtype") -> None:
     if dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")

@@ -57,7 +57,9 @@ def check_same_shapes(group_name: str, op: str, tensors: dict[str, torch.Tensor]
 
 
 def check_pieces(pieces, op: str) -> None:
-    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 0:
+    if isinstance(pieces, bool) or not isinstance(pieces, int):
+        raise TypeError(f"{op}: pieces must be an int, got {type(pieces).__name__}")
+    if not 0 <= pieces < 2**63:
         raise ValueError(f"{op}: pieces must be an int >= 0 (0 picks the count from the shapes), got {pieces!r}")
 
 

@@ -42,6 +42,7 @@ from fastmesh.ops._checks import (
     GRANULARITIES,
     MX,
     MX_BLOCK,
+    check_bool,
     check_fp8_dtype,
     check_granularity,
     check_per_group_tensor,
@@ -280,6 +281,9 @@ def quantize(
     op = "fastmesh.fp8.quantize"
     if not isinstance(x, torch.Tensor):  # the rest of x is the op's to check (dynamo's backward bans x.layout here)
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    check_fp8_dtype(dtype, op)  # here, not only in the op: its schema would refuse a non-dtype less clearly
+    check_bool(transpose, op, "transpose")
+    check_bool(power_of_two, op, "power_of_two")
     if granularity not in (*GRANULARITIES, MX):
         known = ", ".join(map(repr, (*GRANULARITIES, MX)))
         raise ValueError(f"{op}: granularity must be one of {known}, got {granularity!r}")
@@ -308,5 +312,9 @@ def quantize(
             f"got {granularity!r}"
         )
     check_quantize_args(x, dtype, granularity, None, None, False, power_of_two, op=op)
-    reduced = _all_reduce_amax(group_amax(x, granularity), group_name(amax_group))
+    try:
+        amax_group_name = group_name(amax_group)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{op}: amax_group: {error}") from error
+    reduced = _all_reduce_amax(group_amax(x, granularity), amax_group_name)
     return fp8_quantize(x, dtype, granularity, None, reduced, transpose, power_of_two)

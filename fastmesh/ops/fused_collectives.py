@@ -38,7 +38,7 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, autocast, chunked_gather, plans, traced_unfused
-from fastmesh.ops._checks import MATMUL_DTYPES, check_tensor, wrap_dim
+from fastmesh.ops._checks import MATMUL_DTYPES, check_bool, check_tensor, wrap_dim
 from fastmesh.ops._collectives import all_gather
 from fastmesh.ops._fp8_operands import check_config
 from fastmesh.ops._fused_common import (
@@ -347,6 +347,9 @@ def all_gather_matmul(
             f"fastmesh.all_gather_matmul: bs must be a list of matrices, got a Tensor of shape "
             f"{list(bs.shape)}; pass [b] for one"
         )
+    if not isinstance(bs, (list, tuple)):
+        raise TypeError(f"fastmesh.all_gather_matmul: bs must be a list of matrices, got {type(bs).__name__}")
+    check_bool(return_a, "fastmesh.all_gather_matmul", "return_a")
     pieces = resolve_pieces(pieces, chunks, "fastmesh.all_gather_matmul")
     a_shard, bs = autocast.cast(a_shard), autocast.cast(list(bs))
     if _dtensor.is_dtensor(a_shard) or any(_dtensor.is_dtensor(b) for b in bs):
