@@ -162,22 +162,23 @@ def test_fp8_front_gathered_a_gradient_passes_straight_through():
     """The dequantized gathered a that the fp8 front returns is differentiable: its gradient is reduce-scattered
     into a_shard's, exactly as the high-precision op's gathered a, beside the products' dgrad, which runs as the
     config says (FP8 here) whether or not the gathered a is used, eager and compiled alike (compiled, an unused
-    output's gradient is zeros, not None: the dgrad once ran in high precision there)."""
+    output's gradient is zeros, not None: the dgrad once ran in high precision there). Two bs, as sibling linears
+    pass: their dgrad is one reduce-scatter of [G_1 G_2] @ [b_1 b_2].T."""
     rank, name = dist.get_rank(), _world_name()
     config = Float8Config(granularity="rowwise" if ROWWISE_ON_CPU else "tensorwise")
     weight_of_a = randn((2, 16, 32), torch.float32, seed=7 + rank)  # differs per rank: a partial gradient
-    b = randn((32, 24), torch.float32, seed=1)
+    bs = [randn((32, 24), torch.float32, seed=1), randn((32, 16), torch.float32, seed=2)]
 
     def step(use_a: bool, use_products: bool, compiled: bool) -> torch.Tensor:
         def loss_of(x):
-            a, (c,) = fastmesh.all_gather_matmul(x, [b], 1, return_a=True, fp8=config)
-            return (a * weight_of_a).sum() * use_a + c.sum() * use_products
+            a, (c, d) = fastmesh.all_gather_matmul(x, bs, 1, return_a=True, fp8=config)
+            return (a * weight_of_a).sum() * use_a + (c.sum() + 2 * d.sum()) * use_products
 
         x = randn((2, 8, 32), torch.float32, seed=rank).requires_grad_()
         (torch.compile(loss_of, fullgraph=True) if compiled else loss_of)(x).backward()
         return x.grad
 
-    hp_dgrad = ref.reduce_scatter(torch.ones(2, 16, 24) @ b.t(), 1, name)
+    hp_dgrad = ref.reduce_scatter(torch.ones(2, 16, 24) @ bs[0].t() + 2 * torch.ones(2, 16, 16) @ bs[1].t(), 1, name)
     dgrads = []
     for compiled in (False, True):
         straight = step(True, False, compiled)

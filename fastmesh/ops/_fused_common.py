@@ -122,7 +122,9 @@ def input_grad_operands(bs, grads) -> tuple[torch.Tensor, torch.Tensor]:
     # Concatenate in the layout the bs have (typically w.t() views of row-major weights: their transposes are
     # contiguous): no transposing copy, and no transposes materialized into a cat, which inductor's CPU code
     # gets wrong for 16-bit dtypes (docs/design/fused-collectives.md).
-    if all(b.t().is_contiguous() for b in chosen):
+    # A list, not a generator: dynamo fails to trace a generator in an autograd.Function's backward (torch 2.14:
+    # "generator already executing" when it closes the frame's generators), and the FP8 ops' backward calls this.
+    if all([b.t().is_contiguous() for b in chosen]):
         b_t = torch.cat([b.t() for b in chosen], dim=0)
     else:
         b_t = torch.cat(chosen, dim=1).t()

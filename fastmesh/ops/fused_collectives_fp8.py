@@ -270,7 +270,7 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
         # The gathered a's own gradient takes another path (_GatheredGradient), so that the dgrad below runs as the
         # config says whether or not the gathered a is used.
         gathered = dequantize(a_full, a_full_scale, a_shard.dtype) if return_a else None
-        ctx.mark_non_differentiable(*(t for t in (a_full, a_full_scale, gathered) if t is not None))
+        ctx.mark_non_differentiable(*[t for t in (a_full, a_full_scale, gathered) if t is not None])
         # An unused product gets no gradient, not zeros (eager; compiled, dynamo passes zeros).
         ctx.set_materialize_grads(False)
         return (gathered, *outs)
