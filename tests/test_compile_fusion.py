@@ -203,6 +203,42 @@ def test_whole_native_llama_compiles_strictly_to_fused_ops():
     assert report.unfused == [], str(report)
 
 
+class _TwoColumnParallel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32, bias=False)
+        self.b = torch.nn.Linear(16, 32, bias=False)
+
+    def forward(self, x):
+        return self.a(x) * self.b(x)
+
+
+@on_ranks(2, timeout=600)
+def test_two_linears_gathering_one_input_fuse_into_one_gather():
+    """Two ColwiseParallel(input_layouts=Shard(1)) linears of one input: in a training graph AOTAutograd merges
+    their two all-gathers into one, waited twice, each wait with its own split/cat. The pass merges those, then
+    fuses the gather with both matmuls (it once left the gather, and strict=True failed the compile)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = _TwoColumnParallel()
+    plan = {"a": ColwiseParallel(input_layouts=Shard(1)), "b": ColwiseParallel(input_layouts=Shard(1))}
+    parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+    x = _randn((2, 4 * world, 16), seed=1)
+    want = _block_step(model, model, x, world)
+    with _fusion(strict=True):
+        got = _block_step(model, torch.compile(model, fullgraph=True), x, world)
+        report = fastmesh.compile.fusion_report()
+    torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=0)
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+    gathers = [e for e in report.entries if e.fused_into == "fastmesh.all_gather_matmul"]
+    assert [e.matmuls for e in gathers] == [2], str(report)
+    assert report.unfused == [], str(report)
+
+
 # ---- biased row-parallel linears (DTensor makes the bias partial) ----
 
 

@@ -309,6 +309,7 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
     to :func:`fusion_report`'s). Raises :class:`FusionError` if ``strict`` and a collective is left."""
     kind = _graph_kind(graph)
     index = _recorder.new_graph(kind)
+    rewrite.merge_repeated_waits(graph)
     entries = _torch_fused_entries(graph, index, kind)
     for rule in _RULES:
         entries += _fuse_collectives(graph, rule, index, kind)

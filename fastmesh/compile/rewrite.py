@@ -16,9 +16,61 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
 
-from fastmesh.compile.patterns import GatherMatch, ProductGatherMatch, ScatterMatch, Unfusable, matmul_operands
+from fastmesh.compile.patterns import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    DTYPE_VIEW,
+    REDUCE_SCATTER,
+    RESHAPES,
+    WAIT,
+    GatherMatch,
+    ProductGatherMatch,
+    ScatterMatch,
+    Unfusable,
+    matmul_operands,
+)
 
 aten = torch.ops.aten
+
+
+# The layout ops that follow a collective's wait (moving rank blocks, viewing as FP8): pure, so two alike are one.
+_LAYOUT_OPS = (aten.split.Tensor, operator.getitem, aten.cat.default, DTYPE_VIEW, *RESHAPES)
+
+
+def merge_repeated_waits(graph: Graph) -> None:
+    """One ``wait_tensor`` per collective: the users of a collective's later waits move to its first, and the layout
+    ops that each wait had of its own, now alike, become one. AOTAutograd's common-subexpression elimination merges
+    identical collectives but keeps each one's wait and what follows it (two ``ColwiseParallel(input_layouts=
+    Shard(1))`` linears reading one input gather it once, waited twice), and the patterns expect one wait. A later
+    wait returns the tensor the first one did, and every user of a node comes after the first of its kind, so the
+    graph stays in order."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.target not in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE):
+            continue
+        waits = sorted((user for user in node.users if user.target == WAIT), key=order.__getitem__)
+        if len(waits) > 1:
+            _merge_alike([waits[0], *waits[1:]], graph)
+            _merge_alike_layout_users(waits[0], graph, order)
+
+
+def _merge_alike(nodes: list[Node], graph: Graph) -> None:
+    for later in nodes[1:]:
+        later.replace_all_uses_with(nodes[0])
+        graph.erase_node(later)
+
+
+def _merge_alike_layout_users(node: Node, graph: Graph, order: dict) -> None:
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        alike: dict[tuple, list[Node]] = {}
+        for user in sorted(current.users, key=order.__getitem__):
+            if user.target in _LAYOUT_OPS:
+                alike.setdefault((user.target, repr(user.args), repr(user.kwargs)), []).append(user)
+        for nodes in alike.values():
+            _merge_alike(nodes, graph)
+            stack.append(nodes[0])
 
 
 class _NodeBuilder:
