@@ -437,6 +437,12 @@ def _product_gather_columns(x, w, b):
     return _gather(x.reshape(2, 3, -1) @ w, -1)
 
 
+def _product_gather_columns_reshaped_inferring_a_dim(x, w, b):
+    # The product reshaped with -1 in a leading dim: the pass's own reshape of the fused result must not infer
+    # a second one.
+    return _gather((x @ w).reshape(-1, 3, w.shape[1]), -1)
+
+
 def _product_gather_columns_of_gathered_input(x, w, b):
     # The LM head under sequence parallelism: the input gathered too. The product moves more (14 columns
     # against 10 features): matmul_all_gather takes the matmul, the input's gather stays (not worth it).
@@ -564,6 +570,11 @@ PATTERNS = {
     "scatter_sum_of_matmuls": (_scatter_sum_of_matmuls, ["fastmesh.matmul_reduce_scatter"], 3),
     "all_reduce_mm": (_all_reduce_mm, ["fastmesh.matmul_all_reduce"], 1),
     "product_gather_columns": (_product_gather_columns, ["fastmesh.matmul_all_gather"], 1),
+    "product_gather_columns_reshaped_inferring_a_dim": (
+        _product_gather_columns_reshaped_inferring_a_dim,
+        ["fastmesh.matmul_all_gather"],
+        1,
+    ),
     "product_gather_columns_of_gathered_input": (
         _product_gather_columns_of_gathered_input,
         [None, "fastmesh.matmul_all_gather"],

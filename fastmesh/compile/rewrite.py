@@ -165,7 +165,11 @@ def fuse_product_gather(graph: Graph, match: ProductGatherMatch):
     try:
         fused = out = build.call(torch.ops.fastmesh.matmul_all_gather.default, a, b, match.group_name)
         if match.reshapes:  # the leading dims the product was reshaped to, as its reshape gives them
-            out = build.call(aten.reshape.default, fused, [*match.shard.args[1][:-1], -1])
+            # The gathered columns spelled out where static: the leading dims may already infer one (-1).
+            columns = match.gathered.meta["val"].shape[-1]
+            out = build.call(
+                aten.reshape.default, fused, [*match.shard.args[1][:-1], columns if isinstance(columns, int) else -1]
+            )
     except Exception as error:
         build.undo()
         return Unfusable(f"fastmesh's fused op rejects the arguments: {error}")
