@@ -239,6 +239,32 @@ def test_two_linears_gathering_one_input_fuse_into_one_gather():
     assert report.unfused == [], str(report)
 
 
+@on_ranks(2, timeout=600)
+def test_lm_head_under_sequence_parallelism_fuses_the_larger_gather_with_dynamic_shapes():
+    """An LM head under sequence parallelism gathers its input and its product: its matmul goes to the fused op of
+    the larger transfer (the product's 24 columns against 16 features), with static and with symbolic shapes
+    (a symbolic size once counted as 0, so graph order chose the input's gather)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 24, bias=False)
+    style = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallelize_module(head, init_device_mesh("cpu", (world,)), style)
+    x = _randn((2, 4 * world, 16), seed=1).chunk(world, 1)[dist.get_rank()]
+    for dynamic in (False, True):
+        with torch.no_grad(), _fusion():
+            got = torch.compile(head, fullgraph=True, dynamic=dynamic)(x)
+            report = fastmesh.compile.fusion_report()
+        torch.testing.assert_close(got, head(x).detach(), rtol=0, atol=0)
+        assert [e.fused_into for e in report.fused] == ["fastmesh.matmul_all_gather"], (dynamic, str(report))
+        assert [e.detail for e in report.unfused] == [
+            f"its matmul is fused with {report.fused[0].node} instead, which moves more data"
+        ], (dynamic, str(report))
+
+
 # ---- biased row-parallel linears (DTensor makes the bias partial) ----
 
 

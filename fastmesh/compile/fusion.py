@@ -230,12 +230,15 @@ def _matmuls(match) -> list[Node]:
 
 
 def _transfer_elements(match) -> int:
-    """Elements one rank sends for a gather match (0 when symbolic, or for an Unfusable): which of two gathers of
-    one matmul to fuse."""
+    """Elements one rank sends for a gather match (0 for an Unfusable): which of two gathers of one matmul to fuse.
+    Symbolic sizes count by their hint, the size the graph was traced with (0 without one)."""
     if isinstance(match, patterns.Unfusable):
         return 0
     numel = patterns.fake_value(match.shard).numel()
-    return numel if isinstance(numel, int) else 0
+    if isinstance(numel, int):
+        return numel
+    hint = numel.node.hint
+    return hint if isinstance(hint, int) else 0
 
 
 def _op_name(node: Node) -> str:
