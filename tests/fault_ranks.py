@@ -48,29 +48,30 @@ def _ints(shape, seed, requires_grad):
     return t.requires_grad_(requires_grad)
 
 
-def _operands(rank: int, backward: bool):
+def _operands(rank: int, backward: bool, rows: int = 24):
     # 24 rows: divisible by 2, 3 and 4 ranks, 4 pieces of whole rows for every op.
-    return _ints((24, 16), 10 + rank, backward), _ints((16, 8), 20 + rank, backward)
+    return _ints((rows, 16), 10 + rank, backward), _ints((16, 8), 20 + rank, backward)
 
 
-def _all_gather_matmul(a, b, group, fp8):
-    return fastmesh.all_gather_matmul(a, [b], 0, group=group, pieces=PIECES, fp8=fp8)[1][0]
+def _all_gather_matmul(a, b, group, fp8, pieces=PIECES):
+    return fastmesh.all_gather_matmul(a, [b], 0, group=group, pieces=pieces, fp8=fp8)[1][0]
 
 
-def _matmul_reduce_scatter(a, b, group, fp8):
-    return fastmesh.matmul_reduce_scatter(a, b, 0, group=group, pieces=PIECES, fp8=fp8)
+def _matmul_reduce_scatter(a, b, group, fp8, pieces=PIECES):
+    return fastmesh.matmul_reduce_scatter(a, b, 0, group=group, pieces=pieces, fp8=fp8)
 
 
-def _matmul_all_reduce(a, b, group, fp8):
-    return fastmesh.matmul_all_reduce(a, b, group=group, pieces=PIECES, fp8=fp8)
+def _matmul_all_reduce(a, b, group, fp8, pieces=PIECES):
+    return fastmesh.matmul_all_reduce(a, b, group=group, pieces=pieces, fp8=fp8)
 
 
-def _matmul_all_gather(a, b, group, fp8):
+def _matmul_all_gather(a, b, group, fp8, pieces=PIECES):
     assert fp8 is None, "matmul_all_gather has no FP8 form"
-    return fastmesh.matmul_all_gather(a, b, group=group, pieces=PIECES)
+    return fastmesh.matmul_all_gather(a, b, group=group, pieces=pieces)
 
 
-# "op[/fp8][/bwd]": the op's forward, or its backward (ops whose backward communicates), bf16 or FP8.
+# "op[/fp8][/bwd]": the op's forward, or its backward (ops whose backward communicates), bf16 or FP8; "op/plan": its
+# forward on a shape the healthy call did not have, planned (no pieces=): the ranks' plan agreement travels first.
 OPS = {
     "all_gather_matmul": _all_gather_matmul,
     "matmul_reduce_scatter": _matmul_reduce_scatter,
@@ -82,6 +83,7 @@ CASES = [
     *(f"{op}/fp8" for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")),
     *(f"{op}/bwd" for op in ("all_gather_matmul", "matmul_reduce_scatter")),
     *(f"{op}/fp8/bwd" for op in ("all_gather_matmul", "matmul_reduce_scatter")),
+    *(f"{op}/plan" for op in ("all_gather_matmul", "matmul_all_reduce")),
     "block",
 ]
 
@@ -92,6 +94,7 @@ class OpCase:
     def __init__(self, name: str, rank: int, group):
         op, *flags = name.split("/")
         self.fn, self.fp8, self.backward = OPS[op], FP8 if "fp8" in flags else None, "bwd" in flags
+        self.planned = "plan" in flags
         self.rank, self.group, self.out = rank, group, None
 
     def prepare(self):
@@ -103,6 +106,8 @@ class OpCase:
     def run(self):
         if self.backward:
             self.out.float().sum().backward()
+        elif self.planned:
+            self.fn(*_operands(self.rank, False, rows=48), self.group, self.fp8, pieces=None)
         else:
             self.fn(*_operands(self.rank, False), self.group, self.fp8)
 

@@ -40,6 +40,8 @@ FAILING_OP = {
     "matmul_reduce_scatter/bwd": ("fastmesh::all_gather_matmul", True),
     "all_gather_matmul/fp8/bwd": ("fastmesh::scaled_matmul_reduce_scatter", True),
     "matmul_reduce_scatter/fp8/bwd": ("fastmesh::all_gather_scaled_matmul", True),
+    "all_gather_matmul/plan": ("fastmesh::all_gather_matmul", False),
+    "matmul_all_reduce/plan": ("fastmesh::matmul_all_reduce", False),
 }
 EXITED = "Connection (reset|closed) by peer"
 TIMED_OUT = "(Timed out|timeout)"
@@ -110,7 +112,9 @@ def _check_fastmesh_error(result: dict, group_size: int, peer: int, cause: str, 
     assert result["classes"][:2] == ["DistBackendError", "DistError"], result
     assert "RuntimeError" in result["classes"], result
     message = result["message"]
-    if first_call:
+    if result["case"].endswith("/plan"):  # a new shape: the ranks' plan agreement, an all-reduce, goes first
+        what = r"the ranks' plan agreement \(before the pieces\)"
+    elif first_call:
         what, p2p = r"the cross-rank shape check \(before the pieces\)", False  # an all-gather of the group
     else:
         what = r"(piece [1-9]\d* of [1-9]\d*|a_scale \(gathered before the pieces\))"
@@ -147,7 +151,7 @@ def test_a_peer_that_exits_fails_the_survivor_at_once(tmp_path):
 
 
 def test_a_peer_that_exits_before_the_call_fails_the_survivor_at_once(tmp_path):
-    cases = ["matmul_all_reduce", "all_gather_matmul/fp8", "matmul_reduce_scatter/fp8/bwd"]
+    cases = ["matmul_all_reduce", "all_gather_matmul/fp8", "matmul_reduce_scatter/fp8/bwd", "all_gather_matmul/plan"]
     results = _launch(tmp_path, "exit_before", 2, cases)
     for result in results[0]:
         _check_fastmesh_error(result, group_size=2, peer=1, cause=EXITED, first_call=result["case"].endswith("/bwd"))

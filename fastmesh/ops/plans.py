@@ -386,7 +386,18 @@ def _capturing(device: torch.device) -> bool:
 
 def _all_reduce(values: list, op: str, call: Call) -> list:
     tensor = torch.tensor(values, dtype=torch.float64 if op == "max" else torch.int64, device=call.device)
-    return _collectives.all_reduce(tensor, op, call.group_name).tolist()
+    try:
+        return _collectives.all_reduce(tensor, op, call.group_name).tolist()
+    except RuntimeError as error:
+        # Said as a failed transfer of the op's pieces is (csrc/fused/process_group.cpp): the op, the group, the
+        # backend's error kept in the text. A peer gone before a call of a new shape fails here first.
+        group = _resolve_process_group(call.group_name)
+        raise torch.distributed.DistBackendError(
+            f"{call.op}: the transfer of the ranks' plan agreement (before the pieces) failed on rank {group.rank()} "
+            f'of group "{call.group_name}" ({group.size()} ranks): its all-reduce, a collective of the group\'s '
+            f"{group.size()} ranks, did not complete (a rank that exits or stalls fails its peers' transfers: "
+            f"fastmesh's docs/faults.md).\nCaused by the backend's error: {error}"
+        ) from error
 
 
 def _model(call: Call) -> Decision:
