@@ -59,8 +59,10 @@ def _figures(plt, family: str, rows: list[dict]):
                 y, low, high = ms["median"], ms["q1"], ms["q3"]
             xs.append(x)
             ys.append(y)
-            lows.append(y - low)
-            highs.append(high - y)
+            # At 0 where a quartile equals the median: rate * median / q1 can then miss rate by a rounding error, and
+            # matplotlib refuses a negative error bar.
+            lows.append(max(y - low, 0.0))
+            highs.append(max(high - y, 0.0))
         if kind in (None, "part", "variant"):
             continue
         marker, line = _STYLE[kind]

@@ -269,6 +269,23 @@ def test_cuda_without_a_gpu_is_refused(capsys):
     assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
 
 
+def test_plot_of_a_rate_whose_quartile_equals_its_median(tmp_path):
+    """A GB/s plot's error bar from q1 == median: rate * median / q1 falls 1 ulp below the rate for some values
+    (58.803 GB/s, 4.4504 ms), and matplotlib refused the negative bar (a CI run of the tiny-sizes test failed so)."""
+    pytest.importorskip("matplotlib")
+    from fastmesh.bench import plots
+
+    ms = {"median": 4.4504, "q1": 4.4504, "q3": 5.0, "min": 4.4504, "max": 5.0}
+    row = {
+        "case": "c",
+        "dtype": "float32",
+        "kernel": "k",
+        "figures": {"k": {"kind": "kernel", "ms": ms, "rate": {"value": 58.803, "unit": "GB/s"}}},
+    }
+    assert 58.803 * ms["median"] / ms["q1"] < 58.803  # the rounding the plot must absorb
+    assert (tmp_path / "demo.png").samefile(plots.plot_family("demo", [row], str(tmp_path), None))
+
+
 def test_ratios_are_per_round_and_figures_must_be_positive():
     case = figures.Case(
         "demo",
