@@ -159,7 +159,8 @@ def group_name(group: ProcessGroup | DeviceMesh | tuple[DeviceMesh, str] | str |
         return _axis_group_name(*group)
     if isinstance(group, str):
         return _registered_group_name(group)
-    if group is dist.GroupMember.NON_GROUP_MEMBER:  # an int: what new_group returns on the ranks it leaves out
+    # An int (-100): what new_group returns on the ranks it leaves out, compared by value (an int's identity is not).
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             "group_name() got GroupMember.NON_GROUP_MEMBER: this rank is not a member of the group "
             "(torch.distributed.new_group returns it on the ranks it leaves out); call the op on the group's ranks only"

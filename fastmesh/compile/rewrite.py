@@ -50,7 +50,7 @@ def merge_repeated_waits(graph: Graph) -> None:
             continue
         waits = sorted((user for user in node.users if user.target == WAIT), key=order.__getitem__)
         if len(waits) > 1:
-            _merge_alike([waits[0], *waits[1:]], graph)
+            _merge_alike(waits, graph)
             _merge_alike_layout_users(waits[0], graph, order)
 
 

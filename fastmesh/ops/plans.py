@@ -194,7 +194,7 @@ def _call(
 
 
 # Calls built so far, by what each was built from: building one (its candidates, the model's shape, the key) is
-# most of a planned call's host time, where a decode loop repeats a few shapes (docs/plans.md). Grows with the
+# most of a planned call's host time, where a decode loop repeats a few shapes. Grows with the
 # distinct shapes a process runs, as the agreed decisions do; forget() clears both.
 _calls: dict[tuple, Call] = {}
 
