@@ -14,7 +14,7 @@ import copy
 import torch
 import torch.distributed as dist
 from rank_pool import on_ranks
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from tp_models import LinearPair
 
@@ -184,15 +184,12 @@ def test_biased_linears_under_autocast_match_torchs_styles():
     plans = {
         "sequence-parallel": (
             {"up": ColwiseParallel(input_layouts=Shard(1)), "down": RowwiseParallel(output_layouts=Shard(1))},
-            {"up": FusedColwiseParallel(), "down": FusedRowwiseParallel()},
+            {"up": FusedColwiseParallel(input_layouts=Shard(1)), "down": FusedRowwiseParallel(output_layouts=Shard(1))},
             x.chunk(world, 1)[rank],
         ),
         "plain": (
             {"up": ColwiseParallel(), "down": RowwiseParallel()},
-            {
-                "up": FusedColwiseParallel(input_layouts=Replicate()),
-                "down": FusedRowwiseParallel(output_layouts=Replicate()),
-            },
+            {"up": FusedColwiseParallel(), "down": FusedRowwiseParallel()},
             x,
         ),
     }

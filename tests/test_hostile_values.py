@@ -27,7 +27,7 @@ from fastmesh.kernels import fp8_reference as ref
 from fastmesh.kernels import fused_reference
 from rank_pool import on_ranks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch_support import ROWWISE_ON_CPU
 from tp_models import LinearPair
@@ -523,13 +523,13 @@ def _pair_plans(sequence_parallel: bool):
     """(torch's styles, fastmesh's styles) for the pair, sequence-parallel (sequence dim 1) or plain TP."""
     if sequence_parallel:
         native = {"up": ColwiseParallel(input_layouts=Shard(1)), "down": RowwiseParallel(output_layouts=Shard(1))}
-        fused = {"up": FusedColwiseParallel(), "down": FusedRowwiseParallel()}
+        fused = {
+            "up": FusedColwiseParallel(input_layouts=Shard(1)),
+            "down": FusedRowwiseParallel(output_layouts=Shard(1)),
+        }
     else:
         native = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-        fused = {
-            "up": FusedColwiseParallel(input_layouts=Replicate()),
-            "down": FusedRowwiseParallel(output_layouts=Replicate()),
-        }
+        fused = {"up": FusedColwiseParallel(), "down": FusedRowwiseParallel()}
     return native, fused
 
 
@@ -586,7 +586,10 @@ def test_fp8_styles_cover_every_non_finite_element():
     names = ["output", "grad x"] + sorted(n for n, _ in unsharded.named_parameters())
     for granularity in FP8_GRANULARITIES:
         config = fastmesh.fp8.Float8Config(granularity=granularity)
-        plan = {"up": FusedColwiseParallel(fp8=config), "down": FusedRowwiseParallel(fp8=config)}
+        plan = {
+            "up": FusedColwiseParallel(input_layouts=Shard(1), fp8=config),
+            "down": FusedRowwiseParallel(output_layouts=Shard(1), fp8=config),
+        }
         got = _step(parallelize_module(copy.deepcopy(unsharded), mesh, plan), _shard(x, 1), _shard(grad_out, 1))
         for name, g, w in zip(names, got, want):
             covered = ~w.isfinite() <= ~g.isfinite()

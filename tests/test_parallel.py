@@ -184,10 +184,7 @@ def _pair_plan(sequence_parallel: bool, names=("up", "down"), seq_dim: int = 1, 
             down: FusedRowwiseParallel(output_layouts=Shard(seq_dim), fp8=fp8),
         }
         return styles, lambda t: _shard(t, seq_dim)
-    styles = {
-        up: FusedColwiseParallel(input_layouts=Replicate(), fp8=fp8),
-        down: FusedRowwiseParallel(output_layouts=Replicate(), fp8=fp8),
-    }
+    styles = {up: FusedColwiseParallel(fp8=fp8), down: FusedRowwiseParallel(fp8=fp8)}  # torch's defaults: plain TP
     return styles, lambda t: t
 
 
@@ -255,7 +252,12 @@ def test_uneven_sequence_small_integers_bit_exact(world_size):
                 Shard(seq_dim),
             ),
             *(
-                (f"LM head, {how}", head, FusedColwiseParallel(output_layouts=Replicate()), None)
+                (
+                    f"LM head, {how}",
+                    head,
+                    FusedColwiseParallel(input_layouts=Shard(seq_dim), output_layouts=Replicate()),
+                    None,
+                )
                 for how, head in heads.items()
             ),
         ):
@@ -300,7 +302,7 @@ def test_uneven_sequence_llama_block_matches_native_plan(world_size):
         for plan in ("fastmesh", "native") if NATIVE_PLAN_RUNS_UNEVEN_SEQUENCES else ("fastmesh",):
             styles = block_plan(plan)
             rowwise = (
-                FusedRowwiseParallel(use_local_output=False)
+                FusedRowwiseParallel(output_layouts=Shard(1), use_local_output=False)
                 if plan == "fastmesh"
                 else RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
             )
@@ -332,7 +334,7 @@ def test_compiled_uneven_sequence_and_features_match_eager():
     args = LlamaArgs(ffn_hidden=97)
     torch.manual_seed(0)
     styles = block_plan("fastmesh")
-    rowwise = FusedRowwiseParallel(use_local_output=False)
+    rowwise = FusedRowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     styles.update({"attention.wo": rowwise, "feed_forward.w2": rowwise})
     block = parallelize_module(Block(args), mesh, styles)
     rope = rope_tables(7, args.head_dim, args.rope_theta)
@@ -363,7 +365,10 @@ def test_uneven_sequence_fp8_rows_equal_the_even_runs_rows(world_size):
     fp8 = Float8Config(granularity="mx")
     torch.manual_seed(0)
     unsharded = nn.Sequential(nn.Linear(64, 32 * world_size), nn.GELU(), nn.Linear(32 * world_size, 64))
-    styles = {"0": FusedColwiseParallel(fp8=fp8), "2": FusedRowwiseParallel(fp8=fp8, use_local_output=False)}
+    styles = {
+        "0": FusedColwiseParallel(input_layouts=Shard(1), fp8=fp8),
+        "2": FusedRowwiseParallel(output_layouts=Shard(1), fp8=fp8, use_local_output=False),
+    }
     model = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
     for rows in _uneven_lengths(world_size):
         even = world_size * -(-rows // world_size)
@@ -464,7 +469,8 @@ def test_lm_head_compiled_before_any_eager_call_traces_in_one_graph(world_size):
     mesh = _tp_mesh()
     head = _integer_head(4, 3 * world_size + 1, bias=False)  # out > in, no bias: the output's gather is fused
     x = _small_ints((2, 2 * world_size, 4), 20, -1, 2)
-    parallel = parallelize_module(copy.deepcopy(head), mesh, FusedColwiseParallel(output_layouts=Replicate()))
+    style = FusedColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallel = parallelize_module(copy.deepcopy(head), mesh, style)
     y = torch.compile(parallel, fullgraph=True, backend="aot_eager")(_shard(x, 1))
     assert torch.equal(y, head(x).detach())
     with captured_log("fastmesh.parallel", logging.INFO) as messages:
@@ -545,10 +551,10 @@ def test_colwise_input_layouts_and_dtensor_outputs():
     x = _randn((4, 6, 8), seed=3, dtype=torch.float64)
     want = unsharded(x)
     cases = [  # (style keywords, input, how the input relates to x)
-        ({}, _shard(x, 1), "Shard(1) plain"),
+        ({"input_layouts": Shard(1)}, _shard(x, 1), "Shard(1) plain"),
         ({"input_layouts": Shard(0)}, _shard(x, 0), "Shard(0) plain"),
         ({}, DTensor.from_local(_shard(x, 0), mesh, [Shard(0)]), "Shard(0) DTensor"),
-        ({"input_layouts": Replicate()}, x.clone(), "Replicate plain"),
+        ({}, x.clone(), "Replicate plain"),
         ({}, DTensor.from_local(x.clone(), mesh, [Replicate()]), "Replicate DTensor"),
     ]
     for use_local_output in (True, False):
@@ -564,6 +570,106 @@ def test_colwise_input_layouts_and_dtensor_outputs():
             torch.testing.assert_close(out, _shard(want, -1), rtol=1e-12, atol=1e-12, msg=label)
 
 
+# ---- every layout torch's styles take, against torch's styles ----
+
+# The placements torch's ColwiseParallel / RowwiseParallel take for input_layouts and output_layouts (None: the
+# style's default), on a [B, S, D] activation: batch, sequence and feature shards, replicated, partial sums.
+_TORCH_LAYOUTS = (None, Replicate(), Shard(0), Shard(1), Shard(-1), Shard(2), Partial())
+
+
+def _annotated_part(x: torch.Tensor, placement, mesh) -> torch.Tensor:
+    """This rank's plain tensor that a style whose input_layouts is ``placement`` takes as the global ``x``."""
+    if isinstance(placement, Shard):
+        return _torchs_piece(x, mesh, placement.dim)
+    if isinstance(placement, Partial):  # partial sums: rank 0 holds x, the others zeros (exact in any order)
+        return x.clone() if dist.get_rank() == 0 else torch.zeros_like(x)
+    return x.clone()
+
+
+_FUSED_OPS = (
+    torch.ops.fastmesh.all_gather_matmul,
+    torch.ops.fastmesh.matmul_reduce_scatter,
+    torch.ops.fastmesh.matmul_all_reduce,
+    torch.ops.fastmesh.matmul_all_gather,
+)
+
+
+def _layout_step(module: nn.Module, x: torch.Tensor):
+    """The output as the style returns it, and after a backward of ``sum(local output * g)``: the input's and every
+    parameter's full gradient, and how many fused ops ran (forward and backward)."""
+    x = x.clone().requires_grad_()
+    mode = CommDebugMode()
+    mode.comm_registry.update(_FUSED_OPS)
+    with mode:
+        out = module(x)
+        local = out.to_local() if isinstance(out, DTensor) else out
+        (local * _small_ints(local.shape, 7)).sum().backward()
+    fused = sum(n for op, n in mode.get_comm_counts().items() if op in _FUSED_OPS)
+    return out, x.grad, _full_grads(module), fused
+
+
+def _runs_fused(kind: str, layout_in, layout_out) -> bool:
+    """Whether a plain-tensor input under these keywords runs a fused op: colwise with its input replicated or
+    sequence-sharded (its output redistributed afterwards if need be), rowwise with its output replicated or
+    sequence-sharded (its input redistributed first if need be)."""
+    if kind == "colwise":
+        return layout_in in (None, Replicate(), Shard(0), Shard(1))
+    return layout_out in (None, Replicate(), Shard(0), Shard(1))
+
+
+@on_ranks(2, 3)
+def test_every_torch_layout_matches_torchs_styles(world_size):
+    """Every combination of torch's keywords (``input_layouts`` x ``output_layouts`` x ``use_local_output``) on
+    either style gives torch's result: a DTensor or not, its placement, the local shape and values, and the input's
+    and parameters' gradients (float64 small integers: exact). Defaults included: ``FusedColwiseParallel()`` is
+    ``ColwiseParallel()``. Where torch's style raises, fastmesh's must raise too."""
+    mesh = _tp_mesh()
+    colwise, rowwise = nn.Linear(12, 6 * world_size), nn.Linear(6 * world_size, 12)
+    for seed, module in enumerate((colwise, rowwise)):
+        module.double()
+        with torch.no_grad():
+            for i, p in enumerate(module.parameters()):
+                p.copy_(_small_ints(p.shape, 40 + 2 * seed + i, -1, 2, torch.float64))
+            # torch's rowwise adds a Partial share of the bias on each rank (bias / world): exact for multiples.
+            module.bias.mul_(world_size)
+    x = _small_ints((2 * world_size, 4 * world_size, 12), 41, dtype=torch.float64)
+    rowwise_x = _small_ints((2 * world_size, 4 * world_size, 6 * world_size), 42, dtype=torch.float64)
+    styles = (
+        ("colwise", ColwiseParallel, FusedColwiseParallel, colwise, x),
+        ("rowwise", RowwiseParallel, FusedRowwiseParallel, rowwise, rowwise_x),
+    )
+    compared = 0
+    for (kind, torchs, fused, module, full_x), layout_in, layout_out, use_local_output in itertools.product(
+        styles, _TORCH_LAYOUTS, _TORCH_LAYOUTS, (True, False)
+    ):
+        keywords = dict(input_layouts=layout_in, output_layouts=layout_out, use_local_output=use_local_output)
+        case = f"{kind}, {keywords}"
+        default_in = Replicate() if kind == "colwise" else Shard(-1)
+        given = _annotated_part(full_x, layout_in or default_in, mesh)
+        try:
+            want = _layout_step(parallelize_module(copy.deepcopy(module), mesh, torchs(**keywords)), given)
+        except (RuntimeError, ValueError, NotImplementedError, AssertionError) as error:  # torch cannot run it
+            with pytest.raises(Exception):  # noqa: B017  (neither can fastmesh: any error, but not a result)
+                _layout_step(parallelize_module(copy.deepcopy(module), mesh, fused(**keywords)), given)
+            print(f"{case}: torch raises {type(error).__name__}, and so does fastmesh")
+            continue
+        got = _layout_step(parallelize_module(copy.deepcopy(module), mesh, fused(**keywords)), given)
+        (out, dx, grads, fused_ops), (want_out, want_dx, want_grads, _) = got, want
+        assert (fused_ops > 0) == _runs_fused(kind, layout_in, layout_out), (case, fused_ops)
+        assert isinstance(out, DTensor) == isinstance(want_out, DTensor), case
+        if isinstance(out, DTensor):
+            assert out.placements == want_out.placements, (case, out.placements, want_out.placements)
+            assert out.shape == want_out.shape, (case, out.shape, want_out.shape)
+            out, want_out = out.to_local(), want_out.to_local()
+        assert out.shape == want_out.shape, (case, out.shape, want_out.shape)
+        assert torch.equal(out, want_out), case
+        assert torch.equal(dx, want_dx), f"{case}: grad x"
+        for name, grad in grads.items():
+            assert torch.equal(grad, want_grads[name]), f"{case}: grad {name}"
+        compared += 1
+    assert compared >= len(styles) * 2 * 2 * 2 * 2, compared  # at least the fused layouts ran
+
+
 # ---- replicated layouts: plain TP and the LM head, against torch's styles ----
 
 
@@ -572,25 +678,25 @@ def _replicated_forms():
     return (
         (
             "LM head, sequence-parallel",
-            lambda **kw: FusedColwiseParallel(output_layouts=Replicate(), **kw),
+            lambda **kw: FusedColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), **kw),
             lambda **kw: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), **kw),
             "sequence",
         ),
         (
             "LM head, plain TP",
-            lambda **kw: FusedColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), **kw),
+            lambda **kw: FusedColwiseParallel(output_layouts=Replicate(), **kw),
             lambda **kw: ColwiseParallel(output_layouts=Replicate(), **kw),
             "replicated",
         ),
         (
             "colwise, plain TP",
-            lambda **kw: FusedColwiseParallel(input_layouts=Replicate(), **kw),
+            lambda **kw: FusedColwiseParallel(**kw),
             lambda **kw: ColwiseParallel(**kw),
             "replicated",
         ),
         (
             "rowwise, plain TP",
-            lambda **kw: FusedRowwiseParallel(output_layouts=Replicate(), **kw),
+            lambda **kw: FusedRowwiseParallel(**kw),
             lambda **kw: RowwiseParallel(**kw),
             "features",
         ),
@@ -810,7 +916,7 @@ def test_sibling_linears_dtensor_outputs_match_torchs_plan():
                 "wk": ColwiseParallel(use_local_output=False),
             }
         else:
-            styles = FusedColwiseParallel(linears=("wq", "wk"), use_local_output=False)
+            styles = FusedColwiseParallel(linears=("wq", "wk"), input_layouts=Shard(1), use_local_output=False)
         qk = parallelize_module(copy.deepcopy(unsharded), mesh, styles)
         xs = _shard(x, 1).requires_grad_()
         out = {}
@@ -850,7 +956,9 @@ def test_bias_gradients_reach_every_rank():
     grad_out = _randn((2, 4, 8), seed=5, dtype=torch.float64)
     (unsharded(x) * grad_out).sum().backward()
     pair = parallelize_module(
-        copy.deepcopy(unsharded), mesh, {"up": FusedColwiseParallel(), "down": FusedRowwiseParallel()}
+        copy.deepcopy(unsharded),
+        mesh,
+        {"up": FusedColwiseParallel(input_layouts=Shard(1)), "down": FusedRowwiseParallel(output_layouts=Shard(1))},
     )
     (pair(_shard(x, 1)) * _shard(grad_out, 1)).sum().backward()
     for name, p in unsharded.named_parameters():
@@ -865,10 +973,12 @@ def test_chunks_is_a_deprecated_alias_of_pieces(world_size):
     fused forward moves its operand in two pieces per rank. Both keywords at once is a TypeError."""
     mesh = _tp_mesh()
     for style in (FusedColwiseParallel, FusedRowwiseParallel):
+        # sequence parallel: the forward's collective is the fused op's
+        layout = {"input_layouts" if style is FusedColwiseParallel else "output_layouts": Shard(1)}
         with pytest.warns(FutureWarning, match="chunks= is deprecated, use pieces=") as caught:
-            deprecated = style(chunks=2)
+            deprecated = style(chunks=2, **layout)
         assert [w.filename for w in caught] == [__file__], [(w.filename, w.lineno) for w in caught]
-        assert repr(deprecated) == repr(style(pieces=2)), repr(deprecated)
+        assert repr(deprecated) == repr(style(pieces=2, **layout)), repr(deprecated)
         _raises(TypeError, "pass pieces= only", lambda: style(pieces=2, chunks=2))
 
         in_features, out_features = (8, 4 * world_size) if style is FusedColwiseParallel else (4 * world_size, 8)
@@ -908,7 +1018,9 @@ def test_sibling_linears_share_one_gather_and_other_uses_stay_correct():
         q, k, s = unsharded(xr, other_r if use_other else None)
         ((q * gq).sum() + (k * gk).sum() + s).backward()
 
-        qk = parallelize_module(copy.deepcopy(unsharded), mesh, FusedColwiseParallel(linears=("wq", "wk")))
+        qk = parallelize_module(
+            copy.deepcopy(unsharded), mesh, FusedColwiseParallel(linears=("wq", "wk"), input_layouts=Shard(1))
+        )
         xs, other_s = _shard(x, 1).requires_grad_(), _shard(other, 1).requires_grad_()
         mode = CommDebugMode()
         mode.comm_registry.add(torch.ops.fastmesh.all_gather_matmul)
@@ -1339,7 +1451,11 @@ def test_compiled_bf16_sibling_linears_match_eager():
 
     torch.manual_seed(0)
     ffn = FeedForward(LlamaArgs(dim=128, ffn_hidden=256)).to(torch.bfloat16)
-    parallelize_module(ffn, _tp_mesh(), {"": FusedColwiseParallel(linears=("w1", "w3")), "w2": FusedRowwiseParallel()})
+    plan = {
+        "": FusedColwiseParallel(linears=("w1", "w3"), input_layouts=Shard(1)),
+        "w2": FusedRowwiseParallel(output_layouts=Shard(1)),
+    }
+    parallelize_module(ffn, _tp_mesh(), plan)
     x = _shard(_randn((2, 64, 128), seed=1, dtype=torch.bfloat16), 1)
 
     def step(fn):
@@ -1401,19 +1517,21 @@ def test_bad_plans_raise_clear_errors():
         ValueError, "must be given a 1-D device mesh", lambda: FusedColwiseParallel()._apply(nn.Linear(8, 8), mesh_2d)
     )
     _raises(
-        ValueError,
-        "FusedColwiseParallel: output_layouts must be Shard\\(-1\\) \\(column-sharded\\) or Replicate\\(\\)",
-        lambda: FusedColwiseParallel(output_layouts=Shard(0)),
+        TypeError,
+        "FusedColwiseParallel: output_layouts must be a DTensor placement \\(Shard\\(dim\\), Replicate\\(\\) or "
+        "Partial\\(\\)\\), got 'Shard\\(0\\)'",
+        lambda: FusedColwiseParallel(output_layouts="Shard(0)"),
+    )
+    _raises(
+        TypeError,
+        "FusedRowwiseParallel: input_layouts must be a DTensor placement",
+        lambda: FusedRowwiseParallel(input_layouts=1),
     )
     _raises(
         ValueError,
-        "FusedColwiseParallel: input_layouts must be Shard\\(sequence_dim\\) or Replicate\\(\\), got Partial",
-        lambda: FusedColwiseParallel(input_layouts=Partial()),
-    )
-    _raises(
-        ValueError,
-        "FusedRowwiseParallel: output_layouts must be Shard\\(sequence_dim\\) or Replicate\\(\\), got Partial",
-        lambda: FusedRowwiseParallel(output_layouts=Partial()),
+        "FusedRowwiseParallel: fp8 runs in the fused reduce-scatter .* output_layouts=Partial\\(sum\\) runs as torch's "
+        "RowwiseParallel, in high precision",
+        lambda: FusedRowwiseParallel(output_layouts=Partial(), fp8=Float8Config()),
     )
     _raises(
         ValueError,
@@ -1448,7 +1566,7 @@ def test_bad_plans_raise_clear_errors():
         ValueError,
         "FusedColwiseParallel \\(the module\\): fp8 granularity 'mx' with backward_in_fp8 needs the product's "
         "columns \\(N = 40",
-        lambda: apply(nn.Linear(64, 40 * world), FusedColwiseParallel(fp8=mx))(
+        lambda: apply(nn.Linear(64, 40 * world), FusedColwiseParallel(input_layouts=Shard(1), fp8=mx))(
             torch.randn(2, 4, 64, requires_grad=True)
         ),
     )
@@ -1456,7 +1574,7 @@ def test_bad_plans_raise_clear_errors():
         ValueError,
         "FusedRowwiseParallel \\(the module\\): fp8 granularity 'mx' with backward_in_fp8 needs the product's "
         "columns \\(N = 40",
-        lambda: apply(nn.Linear(32 * world, 40), FusedRowwiseParallel(fp8=mx))(
+        lambda: apply(nn.Linear(32 * world, 40), FusedRowwiseParallel(output_layouts=Shard(1), fp8=mx))(
             torch.randn(2, 4, 32, requires_grad=True)
         ),
     )
@@ -1505,19 +1623,13 @@ def test_bad_plans_raise_clear_errors():
     )
     _raises(
         ValueError,
-        "Shard\\(2\\) must name a sequence dim",
-        lambda: apply(nn.Linear(8, 8), FusedColwiseParallel(input_layouts=Shard(2)))(torch.randn(2, 3, 8)),
+        "FusedColwiseParallel: input_layouts Shard\\(3\\) names no dim of the 3-D tensor of shape \\(2, 3, 8\\)",
+        lambda: apply(nn.Linear(8, 8), FusedColwiseParallel(input_layouts=Shard(3)))(torch.randn(2, 3, 8)),
     )
     _raises(
         ValueError,
-        "must be placed Shard\\(-1\\)",
-        lambda: rowwise(DTensor.from_local(torch.randn(2, 4, 8), mesh, [Replicate()])),
-    )
-    plain_rowwise = apply(nn.Linear(8, 8), FusedRowwiseParallel(output_layouts=Replicate()))
-    _raises(
-        ValueError,
-        "must be placed Shard\\(-1\\)",
-        lambda: plain_rowwise(DTensor.from_local(torch.randn(2, 4, 8), mesh, [Replicate()])),
+        "FusedRowwiseParallel: output_layouts Shard\\(-4\\) names no dim of the 3-D tensor",
+        lambda: apply(nn.Linear(8, 8), FusedRowwiseParallel(output_layouts=Shard(-4)))(torch.randn(2, 3, 8 // world)),
     )
     # Every rank raised before any collective: the group still works.
     t = torch.ones(1)

@@ -3,26 +3,58 @@ the local tensors the fused ops take. Nothing numerical happens here."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from fastmesh._log import log_once
 from fastmesh.ops._checks import MX, MX_BLOCK
 from fastmesh.ops._dtensor import wrap_local
 from fastmesh.ops._fp8_operands import OUT_DTYPES, check_config
 from fastmesh.ops._fused_common import check_pieces, resolve_pieces
 from fastmesh.ops._shards import full_rows, own_rows
 
+logger = logging.getLogger("fastmesh.parallel")
 
-def check_sequence_placement(placement, style: str, arg: str, allow_replicate: bool) -> Placement:
-    """A sequence placement keyword: ``Shard(dim)`` (any dim but the last, checked on the tensor), or
-    ``Replicate()`` where the style takes it."""
-    if isinstance(placement, Shard) or (allow_replicate and isinstance(placement, Replicate)):
+
+def check_placement(placement, style: str, arg: str) -> Placement:
+    """A layout keyword: any DTensor placement torch's ``ColwiseParallel`` / ``RowwiseParallel`` take (``Shard(dim)``,
+    ``Replicate()``, ``Partial()``). Which of them run fused is decided at the forward, where the tensor's dims are
+    known (:func:`runs_torchs_way`)."""
+    if not isinstance(placement, Placement):
+        raise TypeError(
+            f"{style}: {arg} must be a DTensor placement (Shard(dim), Replicate() or Partial()), got {placement!r}"
+        )
+    return placement
+
+
+def shards_last_dim(placement: Placement, ndim: int) -> bool:
+    """Whether ``placement`` shards the last of ``ndim`` dims (the features)."""
+    return isinstance(placement, Shard) and placement.dim % ndim == ndim - 1
+
+
+def normalized(placement: Placement, x: torch.Tensor, style: str, what: str) -> Placement:
+    """``Shard(dim)`` with ``dim`` made non-negative for ``x``'s dims (a ValueError naming ``what`` for a dim ``x``
+    does not have); any other placement as it is."""
+    if not isinstance(placement, Shard):
         return placement
-    expected = "Shard(sequence_dim) or Replicate()" if allow_replicate else "Shard(sequence_dim)"
-    raise ValueError(f"{style}: {arg} must be {expected}, got {placement!r}")
+    if not -x.dim() <= placement.dim < x.dim():
+        raise ValueError(
+            f"{style}: {what} Shard({placement.dim}) names no dim of the {x.dim()}-D tensor of shape {tuple(x.shape)}"
+        )
+    return Shard(placement.dim % x.dim())
+
+
+def runs_torchs_way(style: str, what: str, why: str) -> None:
+    """Says once (INFO, logger ``fastmesh.parallel``) that a layout runs as torch's style runs it, a DTensor
+    redistribution that is not fused into a matmul, and why."""
+    log_once(
+        logger, logging.INFO, (style, what), "%s: %s runs as torch's style runs it (not fused): %s", style, what, why
+    )
 
 
 def check_fp8(config, style: str):
@@ -163,19 +195,24 @@ def is_dtensor_input(x, mesh: DeviceMesh, style: str) -> bool:
 
 
 def local_input(x, mesh: DeviceMesh, layout: Placement, style: str):
-    """The input as the style will use it, its placement, and, for a sequence-sharded DTensor, its global sequence
-    length (else None: a plain tensor's shards are equal). A DTensor's own placement wins over ``input_layouts``
-    (which only annotates plain tensors, as in torch's styles). A sharded input comes back as its local shard,
-    which may be torch's uneven piece; a replicated one as it is (a plain tensor, or a ``Replicate()`` DTensor)."""
-    if not is_dtensor_input(x, mesh, style):
-        return x, layout, None
-    placement = x.placements[0]
+    """The column-parallel input as the style will use it, its placement, and, for a sequence-sharded DTensor, its
+    global sequence length (else None: a plain tensor's shards are equal). A DTensor's own placement wins over
+    ``input_layouts`` (which only annotates plain tensors, as in torch's styles). A sequence-sharded input comes back
+    as its local shard, which may be torch's uneven piece; a replicated one as it is (a plain tensor, or a
+    ``Replicate()`` DTensor). Features sharded (``Shard(-1)``) or ``Partial()`` sums are made a ``Replicate()`` DTensor
+    by DTensor, as torch's ``ColwiseParallel`` makes them."""
+    dtensor = is_dtensor_input(x, mesh, style)
+    placement = normalized(x.placements[0] if dtensor else layout, x, style, "input_layouts")
     if isinstance(placement, Replicate):
         return x, placement, None
-    if isinstance(placement, Shard):
-        dim = placement.dim % x.dim()
-        return x.to_local(), Shard(dim), x.shape[dim]
-    raise ValueError(f"{style}: the input DTensor must be placed Shard(sequence_dim) or Replicate(), got {placement!r}")
+    if isinstance(placement, Shard) and not shards_last_dim(placement, x.dim()):
+        return (x.to_local(), placement, x.shape[placement.dim]) if dtensor else (x, placement, None)
+    runs_torchs_way(
+        style, f"an input placed {placement!r}", "DTensor redistributes it to Replicate() before the matmul"
+    )
+    if not dtensor:
+        x = DTensor.from_local(x, mesh, [placement], run_check=False)
+    return x.redistribute(mesh, [Replicate()]), Replicate(), None
 
 
 def as_output(local: torch.Tensor, mesh: DeviceMesh, placement: Placement, use_local_output: bool, shape=None):

@@ -3,22 +3,32 @@
 moving exactly the data of torch's native plan, one collective for one (or fewer: sibling linears share one),
 forward and backward.
 
-Shapes per rank (``tp`` the TP degree, ``S`` the sequence length, ``D`` the input features, ``N`` a
-linear's ``out_features``; the sequence dim is 1 by default, any dim but the last may be)::
+Every argument means what it means in torch's ``ColwiseParallel`` / ``RowwiseParallel``, defaults included: a
+plan with the names swapped computes what torch's computes. Shapes per rank (``tp`` the TP degree, ``S`` the
+sequence length, ``D`` the input features, ``N`` a linear's ``out_features``; the sequence dim may be any dim but
+the last)::
 
     style (layouts)                     input                     weight (local)       output
-    FusedColwiseParallel()              [B, S/tp, D]  Shard(1)    [N/tp, D]  Shard(0)  [B, S, N/tp]  Shard(-1)
-      input_layouts=Replicate()         [B, S, D]     Replicate                        [B, S, N/tp]  Shard(-1)
+    FusedColwiseParallel()              [B, S, D]     Replicate   [N/tp, D]  Shard(0)  [B, S, N/tp]  Shard(-1)
+      input_layouts=Shard(1)            [B, S/tp, D]  Shard(1)                         [B, S, N/tp]  Shard(-1)
       output_layouts=Replicate()        either of those                                [B, S, N]     Replicate
-    FusedRowwiseParallel()              [B, S, D/tp]  Shard(-1)   [N, D/tp]  Shard(1)  [B, S/tp, N]  Shard(1)
-      output_layouts=Replicate()        [B, S, D/tp]  Shard(-1)                        [B, S, N]     Replicate
+    FusedRowwiseParallel()              [B, S, D/tp]  Shard(-1)   [N, D/tp]  Shard(1)  [B, S, N]     Replicate
+      output_layouts=Shard(1)           [B, S, D/tp]  Shard(-1)                        [B, S/tp, N]  Shard(1)
+
+Fused: those layouts. Any other placement torch's styles take (an input placed ``Shard(-1)`` or ``Partial()`` for
+colwise, or anything but ``Shard(-1)`` for rowwise; a colwise output placed ``Shard(seq)`` or ``Partial()``, a
+rowwise one placed ``Shard(-1)`` or ``Partial()``) runs as torch's style runs it, a DTensor redistribution before or
+after the fused matmul (or, for those rowwise outputs, torch's own DTensor matmul), said once per style and layout
+(INFO, logger ``fastmesh.parallel``). The sequence-parallel plan passes ``input_layouts=Shard(1)`` /
+``output_layouts=Shard(1)``, as torch's own sequence-parallel plans do.
 
 Plain-PyTorch equivalents (``x_shard`` this rank's sequence shard; weights and biases this rank's shards)::
 
-    x = torch.cat(all_gather(x_shard), dim=1); y_i = x @ w_i.T + b_i   # colwise (linears=: one gather)
+    y_i = x @ w_i.T + b_i                                              # colwise, a replicated x: local
+    x = torch.cat(all_gather(x_shard), dim=1); y_i = x @ w_i.T + b_i   #   input_layouts=Shard(1) (linears=: one gather)
     y = torch.cat(all_gather(y_i), dim=-1)    # output_layouts=Replicate(): the larger gather in the matmul
-    y_shard = reduce_scatter(h_shard @ w.T, dim=1) + b                  # rowwise
-    y = all_reduce(h_shard @ w.T) + b                                  #   output_layouts=Replicate()
+    y = all_reduce(h_shard @ w.T) + b                                  # rowwise
+    y_shard = reduce_scatter(h_shard @ w.T, dim=1) + b                  #   output_layouts=Shard(1)
 
 Autograd: all_gather_matmul and matmul_reduce_scatter are each other's backward. A replicated plain-tensor
 input's gradient is summed over the ranks in backward by one ``matmul_all_reduce`` for all the linears (torch's
@@ -65,13 +75,16 @@ from fastmesh.parallel._common import (
     check_linear,
     check_linear_names,
     check_mesh,
-    check_sequence_placement,
+    check_placement,
     is_dtensor_input,
     local_input,
     local_parameter,
+    normalized,
     pipeline_pieces,
+    runs_torchs_way,
     sequence_dim,
     shard_parameters,
+    shards_last_dim,
 )
 from fastmesh.parallel.shared_gather import SharedGather
 
@@ -102,15 +115,17 @@ class FusedColwiseParallel(ParallelStyle):
 
     Keyword Args:
         input_layouts (Placement, optional):
-            The DTensor layout of a plain-tensor input: ``Shard(sequence_dim)`` (default ``Shard(1)``), whose
-            gather is fused, or ``Replicate()`` (plain TP): the matmuls are local and the input's gradient,
-            summed over the ranks, is fused into its matmul in backward (one all-reduce for all ``linears``).
-            A DTensor input's own placement (one of those two) is used instead; a sequence-sharded one may hold
-            torch's uneven shards (a length the TP degree does not divide); a ``Replicate()`` DTensor runs as
-            torch's ``ColwiseParallel`` (its gradient is reduced where it was made replicated).
+            The DTensor layout of a plain-tensor input, as in torch's ``ColwiseParallel``: ``Replicate()``
+            (default, plain TP): the matmuls are local and the input's gradient, summed over the ranks, is fused
+            into its matmul in backward (one all-reduce for all ``linears``); or ``Shard(sequence_dim)``
+            (sequence parallel, e.g. ``Shard(1)``), whose gather is fused. A DTensor input's own placement is
+            used instead; a sequence-sharded one may hold torch's uneven shards (a length the TP degree does not
+            divide); a ``Replicate()`` DTensor runs as torch's ``ColwiseParallel`` (its gradient is reduced where
+            it was made replicated). Other placements are made ``Replicate()`` by DTensor, as torch does.
         output_layouts (Placement, optional):
             The DTensor layout of the outputs: ``Shard(-1)`` (default), or ``Replicate()``: the columns
-            gathered after the matmul (an LM head's logits), as torch's ``ColwiseParallel`` gathers them.
+            gathered after the matmul (an LM head's logits), as torch's ``ColwiseParallel`` gathers them. Other
+            placements are redistributed from ``Shard(-1)`` by DTensor, as torch does.
         use_local_output (bool, optional):
             Whether the outputs are local :class:`torch.Tensor`\\ s rather than DTensors, default: True.
             ``False`` with ``linears`` gives ``Shard(-1)`` DTensors, for attention code that keeps the global
@@ -138,10 +153,13 @@ class FusedColwiseParallel(ParallelStyle):
         >>> from torch.distributed.tensor.parallel import parallelize_module
         >>> from fastmesh.parallel import FusedColwiseParallel
         >>> tp_mesh = fastmesh.init_mesh(tp=2)
-        >>> # attention's input arrives as local sequence shards [B, S/2, D]; q, k and v leave [B, S, H/2]
-        >>> parallelize_module(block, tp_mesh, {"attention": FusedColwiseParallel(linears=("wq", "wk", "wv"))})
+        >>> # sequence parallel: attention's input arrives as local sequence shards [B, S/2, D];
+        >>> # q, k and v leave [B, S, H/2], one fused gather for the three
+        >>> qkv = FusedColwiseParallel(linears=("wq", "wk", "wv"), input_layouts=Shard(1))
+        >>> parallelize_module(block, tp_mesh, {"attention": qkv})
         >>> # an LM head: sequence-sharded input, the logits gathered over the vocabulary
-        >>> parallelize_module(model, tp_mesh, {"output": FusedColwiseParallel(output_layouts=Replicate())})
+        >>> head = FusedColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        >>> parallelize_module(model, tp_mesh, {"output": head})
     """
 
     def __init__(
@@ -156,13 +174,9 @@ class FusedColwiseParallel(ParallelStyle):
         chunks: int | None = None,
     ):
         super().__init__()
-        self.input_layouts = (check_sequence_placement(input_layouts or Shard(1), _COLWISE, "input_layouts", True),)
-        if output_layouts is not None and output_layouts != Shard(-1) and not isinstance(output_layouts, Replicate):
-            raise ValueError(
-                f"{_COLWISE}: output_layouts must be Shard(-1) (column-sharded) or Replicate() (the columns "
-                f"gathered, e.g. an LM head's logits), got {output_layouts!r}"
-            )
-        self.output_layouts = (output_layouts or Shard(-1),)
+        # torch's ColwiseParallel's defaults: a replicated input, column-sharded outputs.
+        self.input_layouts = (check_placement(input_layouts or Replicate(), _COLWISE, "input_layouts"),)
+        self.output_layouts = (check_placement(output_layouts or Shard(-1), _COLWISE, "output_layouts"),)
         self.use_local_output = use_local_output
         self.linears = check_linear_names(linears, _COLWISE)
         self.fp8 = check_fp8(fp8, _COLWISE)
@@ -174,14 +188,17 @@ class FusedColwiseParallel(ParallelStyle):
         return local_input(x, mesh, self.input_layouts[0], _COLWISE)
 
     def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh, n: int):
-        """This rank's columns of ``n``, local or a ``Shard(-1)`` DTensor; or, for ``output_layouts=Replicate()``,
-        every column, gathered as torch's ColwiseParallel gathers them (a DTensor redistribution, whose backward
-        keeps this rank's columns of the gradient: no communication)."""
+        """This rank's columns of ``n``, local or a ``Shard(-1)`` DTensor; for any other ``output_layouts``, the
+        columns redistributed to it as torch's ColwiseParallel redistributes them (``Replicate()``: every column
+        gathered, whose backward keeps this rank's columns of the gradient: no communication)."""
         columns, shape = Shard(out.dim() - 1), [*out.shape[:-1], n]
-        if isinstance(self.output_layouts[0], Replicate):
-            full = wrap_local(out, mesh, columns, shape).redistribute(mesh, [Replicate()])
-            return full.to_local() if self.use_local_output else full
-        return as_output(out, mesh, columns, self.use_local_output, shape)
+        layout = normalized(self.output_layouts[0], out, _COLWISE, "output_layouts")
+        if layout == columns:
+            return as_output(out, mesh, columns, self.use_local_output, shape)
+        if not isinstance(layout, Replicate):
+            runs_torchs_way(_COLWISE, f"output_layouts={layout!r}", "DTensor redistributes the Shard(-1) product to it")
+        full = wrap_local(out, mesh, columns, shape).redistribute(mesh, [layout])
+        return full.to_local() if self.use_local_output else full
 
     def _local_weights(self, mesh: DeviceMesh, named_linears) -> list[torch.Tensor]:
         """Each linear's weight rows on this rank, as equal shards: torch's uneven pieces of an ``out_features`` the
@@ -291,8 +308,7 @@ class FusedColwiseParallel(ParallelStyle):
         out = F.linear(x, linear.weight, linear.bias)
         # As torch's ColwiseParallel: DTensor may place the product otherwise (Replicate() for fewer out_features
         # than ranks), so it is redistributed to the output layout (a no-op when it is there).
-        layout = self.output_layouts[0] if isinstance(self.output_layouts[0], Replicate) else Shard(out.dim() - 1)
-        out = out.redistribute(x.device_mesh, [layout])
+        out = out.redistribute(x.device_mesh, [normalized(self.output_layouts[0], out, _COLWISE, "output_layouts")])
         return out.to_local() if self.use_local_output else out
 
     def _forward(self, linear: nn.Linear, x, mesh: DeviceMesh, what: str):
@@ -335,6 +351,14 @@ class FusedColwiseParallel(ParallelStyle):
         )
 
 
+def _unfused_fp8_output(layout: Placement) -> str:
+    return (
+        f"{_ROWWISE}: fp8 runs in the fused reduce-scatter (output_layouts=Shard(sequence_dim)) or all-reduce "
+        f"(Replicate()); output_layouts={layout!r} runs as torch's RowwiseParallel, in high precision: drop fp8 or "
+        "pick one of those layouts"
+    )
+
+
 class FusedRowwiseParallel(ParallelStyle):
     """Partition an ``nn.Linear`` row-wise and fuse the reduction of its output into the matmul: the input is
     column-sharded (a colwise linear's output); the output leaves sequence-sharded (a reduce-scatter) or, in plain
@@ -342,13 +366,15 @@ class FusedRowwiseParallel(ParallelStyle):
 
     Keyword Args:
         input_layouts (Placement, optional):
-            The DTensor layout of a plain-tensor input: ``Shard(-1)``, the only one (default). A DTensor input
-            must be placed so too.
+            The DTensor layout of a plain-tensor input: ``Shard(-1)`` (default, a colwise linear's output). A
+            DTensor input's own placement is used instead. Other placements are redistributed to ``Shard(-1)``
+            by DTensor first, as torch does.
         output_layouts (Placement, optional):
-            The DTensor layout of the output: ``Shard(sequence_dim)``, default ``Shard(1)`` (any dim but the
-            last; a length the TP degree does not divide leaves in torch's uneven shards), or ``Replicate()``
-            (plain TP, torch's ``RowwiseParallel()``): ``fastmesh.matmul_all_reduce``, whose backward needs no
-            collective.
+            The DTensor layout of the output, as in torch's ``RowwiseParallel``: ``Replicate()`` (default, plain
+            TP): ``fastmesh.matmul_all_reduce``, whose backward needs no collective; or ``Shard(sequence_dim)``
+            (sequence parallel, e.g. ``Shard(1)``; any dim but the last; a length the TP degree does not divide
+            leaves in torch's uneven shards): ``fastmesh.matmul_reduce_scatter``. ``Shard(-1)`` and ``Partial()``
+            run as torch's ``RowwiseParallel`` runs them (not with ``fp8``).
         use_local_output (bool, optional):
             Whether the output is a local :class:`torch.Tensor` rather than a DTensor, default: True.
         fp8 (Float8Config, optional):
@@ -367,10 +393,10 @@ class FusedRowwiseParallel(ParallelStyle):
         >>> from torch.distributed.tensor.parallel import parallelize_module
         >>> from fastmesh.parallel import FusedRowwiseParallel
         >>> tp_mesh = fastmesh.init_mesh(tp=2)
-        >>> # wo's input [B, S, D/2] (heads sharded) -> output [B, S/2, D] (sequence-sharded)
+        >>> # plain TP: wo's input [B, S, D/2] (heads sharded) -> output [B, S, D], all-reduced
         >>> parallelize_module(block, tp_mesh, {"attention.wo": FusedRowwiseParallel()})
-        >>> # plain TP (no sequence parallelism): the output all-reduced, replicated
-        >>> parallelize_module(block, tp_mesh, {"attention.wo": FusedRowwiseParallel(output_layouts=Replicate())})
+        >>> # sequence parallel: the output reduce-scattered into sequence shards [B, S/2, D]
+        >>> parallelize_module(block, tp_mesh, {"attention.wo": FusedRowwiseParallel(output_layouts=Shard(1))})
     """
 
     def __init__(
@@ -384,27 +410,29 @@ class FusedRowwiseParallel(ParallelStyle):
         chunks: int | None = None,
     ):
         super().__init__()
-        if input_layouts is not None and input_layouts != Shard(-1):
-            raise ValueError(
-                f"{_ROWWISE}: input_layouts must be Shard(-1) (the features sharded), got {input_layouts!r}"
-            )
-        self.input_layouts = (Shard(-1),)
-        self.output_layouts = (check_sequence_placement(output_layouts or Shard(1), _ROWWISE, "output_layouts", True),)
+        # torch's RowwiseParallel's defaults: the features sharded in, a replicated (all-reduced) output.
+        self.input_layouts = (check_placement(input_layouts or Shard(-1), _ROWWISE, "input_layouts"),)
+        self.output_layouts = (check_placement(output_layouts or Replicate(), _ROWWISE, "output_layouts"),)
+        if fp8 is not None and isinstance(self.output_layouts[0], Partial):
+            raise ValueError(_unfused_fp8_output(self.output_layouts[0]))
         self.use_local_output = use_local_output
         self.fp8 = check_fp8(fp8, _ROWWISE)
         self.pieces = pipeline_pieces(pieces, chunks, _ROWWISE)
 
     def _prepare_input_fn(self, x, mesh: DeviceMesh) -> torch.Tensor:
-        """The local feature shard: a plain tensor as it is, a DTensor (which must be ``Shard(-1)``) unwrapped."""
-        if not is_dtensor_input(x, mesh, _ROWWISE):
-            return x
-        placement = x.placements[0]
-        if not (isinstance(placement, Shard) and placement.dim % x.dim() == x.dim() - 1):
-            raise ValueError(
-                f"{_ROWWISE}: the input DTensor must be placed Shard(-1) (features sharded, a colwise "
-                f"linear's output), got {placement!r}"
-            )
-        return x.to_local()
+        """The local feature shard: a plain tensor as it is, a ``Shard(-1)`` DTensor unwrapped. An input placed
+        otherwise (a DTensor's own placement, or ``input_layouts`` for a plain tensor) is redistributed to
+        ``Shard(-1)`` by DTensor first, as torch's RowwiseParallel redistributes it."""
+        dtensor = is_dtensor_input(x, mesh, _ROWWISE)
+        placement = normalized(x.placements[0] if dtensor else self.input_layouts[0], x, _ROWWISE, "input_layouts")
+        if shards_last_dim(placement, x.dim()):
+            return x.to_local() if dtensor else x
+        runs_torchs_way(
+            _ROWWISE, f"an input placed {placement!r}", "DTensor redistributes it to Shard(-1) before the matmul"
+        )
+        if not dtensor:
+            x = DTensor.from_local(x, mesh, [placement], run_check=False)
+        return x.redistribute(mesh, [Shard(x.dim() - 1)]).to_local()
 
     def _prepare_output_fn(self, out: torch.Tensor, mesh: DeviceMesh, placement: Placement, bias, shape=None):
         """The reduced shard plus the bias, local or a DTensor (of global ``shape`` where given). The bias is
@@ -425,11 +453,14 @@ class FusedRowwiseParallel(ParallelStyle):
         check_input_features(x, linear.in_features, _ROWWISE, "the module", mesh=mesh)
         weight = local_parameter(linear, "weight", _ROWWISE, "the module")
         # in_features the TP degree does not divide: torch's uneven pieces of the contraction, padded to equal ones.
+        layout = normalized(self.output_layouts[0], x, _ROWWISE, "output_layouts")
+        if not isinstance(layout, (Shard, Replicate)) or shards_last_dim(layout, x.dim()):
+            return self._unfused_forward(linear, x, mesh, layout)
         a, b = even_contraction(x, weight.t(), linear.in_features, mesh, _ROWWISE)
-        if isinstance(self.output_layouts[0], Replicate):
+        if isinstance(layout, Replicate):
             out = matmul_all_reduce(a, b, group=group_name(mesh), pieces=self.pieces, fp8=self.fp8)
             return self._prepare_output_fn(out, mesh, Replicate(), linear.bias)
-        dim = sequence_dim(self.output_layouts[0], x, _ROWWISE, "output_layouts")
+        dim = sequence_dim(layout, x, _ROWWISE, "output_layouts")
         if self.fp8 is not None and fp8_dgrad_possible(self.fp8, a):  # said here in the style's words
             check_fp8_dgrad_columns(self.fp8, b.shape[1], f"{_ROWWISE} (the module)")
         # A sequence the TP degree does not divide leaves in torch's uneven shards (padded to scatter).
@@ -438,6 +469,16 @@ class FusedRowwiseParallel(ParallelStyle):
         )
         shape = [*x.shape[:-1], linear.out_features]
         return self._prepare_output_fn(own_part(out, dim, x.shape[dim], mesh), mesh, Shard(dim), linear.bias, shape)
+
+    def _unfused_forward(self, linear: nn.Linear, x: torch.Tensor, mesh: DeviceMesh, layout: Placement):
+        """An output layout no fused op produces (the features sharded, ``Partial()``): torch's RowwiseParallel's own
+        DTensor matmul, then its redistribution."""
+        if self.fp8 is not None:
+            raise ValueError(_unfused_fp8_output(layout))
+        runs_torchs_way(_ROWWISE, f"output_layouts={layout!r}", "DTensor's matmul, then its redistribution")
+        x = wrap_local(x, mesh, Shard(x.dim() - 1), [*x.shape[:-1], linear.in_features])
+        out = F.linear(x, linear.weight, linear.bias).redistribute(mesh, [layout])
+        return out.to_local() if self.use_local_output else out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         check_mesh(device_mesh, _ROWWISE)

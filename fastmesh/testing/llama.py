@@ -7,28 +7,31 @@ key/value heads, a SwiGLU feed-forward, residuals; names follow torchtitan's (``
 
 Per block, with ``tp`` ranks and a sequence-sharded block input ``[B, S/tp, D]``:
 
-=================  ==========================================  ==============================================
+=================  ==========================================  ===================================================
 module             native plan (torch)                         fastmesh plan
-=================  ==========================================  ==============================================
+=================  ==========================================  ===================================================
 attention_norm     SequenceParallel()                          SequenceParallel()
-attention          PrepareModuleInput(Shard(1) -> Replicate)   FusedColwiseParallel(linears=("wq","wk","wv"))
+attention          PrepareModuleInput(Shard(1) -> Replicate)   FusedColwiseParallel(linears=("wq","wk","wv"),
+                                                                                    input_layouts=Shard(1))
 attention.wq/wk/wv ColwiseParallel()                           (the parent's style)
-attention.wo       RowwiseParallel(output_layouts=Shard(1))    FusedRowwiseParallel()
+attention.wo       RowwiseParallel(output_layouts=Shard(1))    FusedRowwiseParallel(output_layouts=Shard(1))
 ffn_norm           SequenceParallel()                          SequenceParallel()
-feed_forward       PrepareModuleInput(Shard(1) -> Replicate)   FusedColwiseParallel(linears=("w1","w3"))
+feed_forward       PrepareModuleInput(Shard(1) -> Replicate)   FusedColwiseParallel(linears=("w1","w3"),
+                                                                                    input_layouts=Shard(1))
 feed_forward.w1/w3 ColwiseParallel()                           (the parent's style)
-feed_forward.w2    RowwiseParallel(output_layouts=Shard(1))    FusedRowwiseParallel()
-=================  ==========================================  ==============================================
+feed_forward.w2    RowwiseParallel(output_layouts=Shard(1))    FusedRowwiseParallel(output_layouts=Shard(1))
+=================  ==========================================  ===================================================
 
 The plain TP plans (``block_plan("native-plain" | "fastmesh-plain")``, no sequence parallelism: block input
 ``[B, S, D]`` replicated) drop the norms' and PrepareModuleInput's styles; torch's has ``ColwiseParallel()`` /
-``RowwiseParallel()`` on each linear, fastmesh's ``FusedColwiseParallel(linears=..., input_layouts=Replicate())``
-on ``attention`` and ``feed_forward`` and ``FusedRowwiseParallel(output_layouts=Replicate())`` on ``wo``, ``w2``.
+``RowwiseParallel()`` on each linear, fastmesh's ``FusedColwiseParallel(linears=...)`` on ``attention`` and
+``feed_forward`` and ``FusedRowwiseParallel()`` on ``wo``, ``w2`` (torch's defaults: a replicated input, an
+all-reduced output).
 
 The whole model adds the token embedding (``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``
 in both plans), the final norm (``SequenceParallel``) and the output head, column-parallel with vocab-sharded
 logits (a DTensor ``Shard(-1)``, for ``loss_parallel``): ``ColwiseParallel(input_layouts=Shard(1))`` natively,
-``FusedColwiseParallel()`` in fastmesh's plan.
+``FusedColwiseParallel(input_layouts=Shard(1))`` in fastmesh's plan.
 """
 
 from __future__ import annotations
@@ -176,13 +179,16 @@ def native_block_plan() -> dict:
 
 
 def fused_block_plan(fp8=None, pieces: int | None = None) -> dict:
+    """fastmesh's sequence-parallel plan: one fused gather per parent, matmul + reduce-scatter."""
+    colwise = dict(input_layouts=Shard(1), fp8=fp8, pieces=pieces)
+    rowwise = dict(output_layouts=Shard(1), fp8=fp8, pieces=pieces)
     return {
         "attention_norm": SequenceParallel(),
-        "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), fp8=fp8, pieces=pieces),
-        "attention.wo": FusedRowwiseParallel(fp8=fp8, pieces=pieces),
+        "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), **colwise),
+        "attention.wo": FusedRowwiseParallel(**rowwise),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": FusedColwiseParallel(linears=("w1", "w3"), fp8=fp8, pieces=pieces),
-        "feed_forward.w2": FusedRowwiseParallel(fp8=fp8, pieces=pieces),
+        "feed_forward": FusedColwiseParallel(linears=("w1", "w3"), **colwise),
+        "feed_forward.w2": FusedRowwiseParallel(**rowwise),
     }
 
 
@@ -202,13 +208,12 @@ def native_plain_block_plan() -> dict:
 def fused_plain_block_plan(fp8=None, pieces: int | None = None) -> dict:
     """fastmesh's plain TP plan: local colwise matmuls whose input gradients share one fused all-reduce per
     parent, rowwise matmul + all-reduce; in FP8 with ``fp8``."""
-    colwise = dict(input_layouts=Replicate(), fp8=fp8, pieces=pieces)
-    rowwise = dict(output_layouts=Replicate(), fp8=fp8, pieces=pieces)
+    options = dict(fp8=fp8, pieces=pieces)  # torch's default layouts: Replicate() in, Replicate() out
     return {
-        "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), **colwise),
-        "attention.wo": FusedRowwiseParallel(**rowwise),
-        "feed_forward": FusedColwiseParallel(linears=("w1", "w3"), **colwise),
-        "feed_forward.w2": FusedRowwiseParallel(**rowwise),
+        "attention": FusedColwiseParallel(linears=("wq", "wk", "wv"), **options),
+        "attention.wo": FusedRowwiseParallel(**options),
+        "feed_forward": FusedColwiseParallel(linears=("w1", "w3"), **options),
+        "feed_forward.w2": FusedRowwiseParallel(**options),
     }
 
 
