@@ -22,11 +22,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from fastmesh.bench import fp8_quantize, fused_collectives, launch, machine, plots, report, sweep, tp_block
+from fastmesh.bench import fp8_quantize, fused_collectives, host, launch, machine, plots, report, sweep, tp_block
 from fastmesh.bench.family import DTYPES, Context
 from fastmesh.bench.timing import clock_for
 
-FAMILIES = {f.name: f for f in (*fp8_quantize.FAMILIES, fused_collectives.FAMILY, sweep.FAMILY, tp_block.FAMILY)}
+FAMILIES = {
+    f.name: f for f in (*fp8_quantize.FAMILIES, host.FAMILY, fused_collectives.FAMILY, sweep.FAMILY, tp_block.FAMILY)
+}
 QUICK_REPEATS, QUICK_WARMUP, FULL_REPEATS, FULL_WARMUP = 5, 1, 15, 3
 
 

@@ -18,8 +18,11 @@
 #include "fastmesh/mx_math.h"
 #include "fastmesh/pipeline.h"
 #include "fused/fused_ops.h"
+#include "fused/kernels.h"
+#include "fused/planned.h"
 #include "fused/process_group.h"
 #include "fused/scaled.h"
+#include "fused/settings.h"
 
 namespace {
 
@@ -176,6 +179,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "`options` ((name, value as text) pairs): on the first call per op and arguments on CPU groups; on every "
       "call with FASTMESH_SHAPE_CHECK=every or TORCH_DISTRIBUTED_DEBUG=DETAIL.",
       arg("tensors"), arg("args"), arg("options"), arg("group_name"), arg("op"), gil);
+  // The plan memo of the fused ops' dispatcher kernels (fused/planned.h), driven by fastmesh/ops/plans.py.
+  m.def(
+      "set_planner", [](pybind11::object planner) { fastmesh::fused::set_planner(std::move(planner)); },
+      "Registers the Python planner the fused ops' kernels call on a key's first call: planner(op, args) -> (result, "
+      "(split, pieces, decision id) or None).",
+      arg("planner"));
+  m.def("forget_plans", &fastmesh::fused::forget_plans,
+        "Forgets every remembered plan: each key asks the planner again.");
+  m.def("set_plan_memo", &fastmesh::fused::set_plan_memo,
+        "Turns the plan memo on or off (off: every call asks the Python planner).", arg("enabled"));
+  m.def("reload_settings", &fastmesh::fused::reload_settings,
+        "Reads the C++ side's settings (FASTMESH_TRANSPORT, FASTMESH_SHAPE_CHECK) from the environment again.");
+  m.def("shape_check_every_call", &fastmesh::fused::checks_every_call,
+        "Whether the cross-rank shape check runs on every call (FASTMESH_SHAPE_CHECK=every).");
+  m.def(
+      "planned_decision",
+      [](const std::string& op) { return fastmesh::fused::planned_decision(fastmesh::fused::planned_op_named(op)); },
+      "The planner's id of the latest decision a call of the fused op `op` (\"all_gather_matmul\" ...) took; -1: none.",
+      arg("op"));
   m.def(
       "inject_fault", [](int64_t after, const std::string& action) { fastmesh::fused::inject_fault(after, action); },
       "Test-only: after `after` more pipeline pieces of the fused ops have started in this process, the next "

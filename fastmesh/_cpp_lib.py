@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fastmesh import _build_config
+from fastmesh import _build_config, settings
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,11 @@ _error: ExtensionError | None = None
 
 
 def _jit_enabled() -> bool:
-    return os.environ.get("FASTMESH_JIT", "0") == "1"
+    return settings.get("FASTMESH_JIT") == "1"
 
 
 def _jit_cache_dir() -> str:
-    root = os.environ.get("FASTMESH_JIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastmesh", "jit")
+    root = settings.get("FASTMESH_JIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastmesh", "jit")
     # One folder per torch build: objects compiled against one torch must never link into another.
     tag = f"torch{torch.__version__}-{(torch.version.git_version or 'unknown')[:12]}".replace("+", "_")
     return os.path.join(root, tag)
@@ -85,7 +85,7 @@ def _build_jit() -> ModuleType:
             extra_ldflags=plan.link_flags,
             build_directory=build_dir,
             with_cuda=plan.build_cuda,
-            verbose=os.environ.get("FASTMESH_JIT_VERBOSE", "0") == "1",
+            verbose=settings.get("FASTMESH_JIT_VERBOSE") == "1",
         )
     except (RuntimeError, OSError, ImportError) as error:
         raise ExtensionError(
@@ -119,7 +119,7 @@ def _check_build_info(info: dict[str, Any]) -> None:
     csrc = _build_config.csrc_dir()
     if (
         os.path.isdir(csrc)
-        and os.environ.get("FASTMESH_ALLOW_STALE", "0") != "1"
+        and settings.get("FASTMESH_ALLOW_STALE") != "1"
         and _build_config.source_digest() != info["source_digest"]
     ):
         raise ExtensionError(

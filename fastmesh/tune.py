@@ -31,6 +31,7 @@ import tempfile
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastmesh import settings
 from fastmesh.bench import launch, machine
 from fastmesh.bench.fused_collectives import Spec, parse_spec
 from fastmesh.ops import plans
@@ -329,6 +330,7 @@ def _rank_main(threads: int, request: Request) -> list[Row] | None:
     torch.set_num_threads(threads)
     os.environ[plans.ENV_MODE] = "measure"
     os.environ[ENV_PATH] = request.cache_path
+    settings.reload()
 
     def run(mesh) -> list[Row] | None:
         recorder = _Recorder()

@@ -9,6 +9,7 @@ import tempfile
 # the rank processes (which import test modules by name) need it there.
 sys.path.insert(0, os.path.dirname(__file__))
 
+import pytest
 import rank_pool
 from hypothesis import settings
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -33,6 +34,22 @@ def pytest_configure(config):
         "fastmesh", database=DirectoryBasedExampleDatabase(os.path.join(hypothesis_dir, "examples"))
     )
     settings.load_profile("fastmesh")
+    _reload_fastmesh_settings()
+
+
+def _reload_fastmesh_settings():
+    from fastmesh import settings as fastmesh_settings
+
+    fastmesh_settings.reload()
+
+
+@pytest.fixture(autouse=True)
+def _fastmesh_settings_follow_the_environment():
+    """fastmesh reads its settings once (fastmesh.settings): a test that changes them in this process reloads them
+    itself (tests/environment.py does), and they are read again once it ends, when monkeypatch has restored the
+    environment."""
+    yield
+    _reload_fastmesh_settings()
 
 
 def pytest_unconfigure(config):

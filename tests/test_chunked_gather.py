@@ -25,7 +25,7 @@ from rank_pool import on_ranks
 from triton_interpreter import INTERPRETED, run_module_under_interpreter
 
 import fastmesh
-from fastmesh import _cpp_lib
+from fastmesh import _cpp_lib, settings
 from fastmesh.ops import chunked_gather
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -130,19 +130,23 @@ def test_consumer_programs(monkeypatch):
     assert chunked_gather.consumer_programs(torch.device("cpu")) is None
     for bad in ("0", "x", "-3"):
         monkeypatch.setenv(chunked_gather.ENV_FREE_SMS, bad)
+        settings.reload()
         with pytest.raises(ValueError, match=rf"FASTMESH_CONSUMER_FREE_SMS must be an int >= 1 .*got '{bad}'"):
             chunked_gather.consumer_programs(torch.device("cpu"))
 
 
-def test_cuda_kernel_is_the_python_dispatcher():
-    """CPU: the C++ pipeline. CUDA: the Python kernel that picks the consumer GEMM or that pipeline."""
+def test_cuda_kernel_plans_in_python():
+    """CPU and CUDA: the C++ kernel (csrc/fused/kernels.cpp), whose first call of a key asks the Python planner, which
+    picks the consumer GEMM or the pipeline on CUDA."""
     name = "fastmesh::all_gather_matmul"
     _cpp_lib.load()
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
     table = torch._C._dispatch_dump_table(name)
-    cuda_line = next(line for line in table.splitlines() if line.startswith("CUDA"))
-    assert cuda_line.split("registered at ")[1].split(":")[0].endswith(".py"), cuda_line
+    for key in ("CPU", "CUDA"):
+        line = next(line for line in table.splitlines() if line.startswith(key + ":"))
+        assert "kernels.cpp" in line, line
+    from fastmesh.ops import plans
+
+    assert plans._planned_runs["all_gather_matmul"].__name__ == "_all_gather_matmul_planned"
 
 
 def test_loopback_rejects_bad_arguments():
@@ -230,8 +234,8 @@ def test_a_lost_piece_raises():
 
 
 def _through_the_cuda_kernel(shape, dim, pieces, return_a, enabled):
-    """Rank body: the op's CUDA kernel, called on CPU tensors over gloo (the kernel is device-agnostic Python
-    apart from the side stream), against the CPU op; and the path it logged."""
+    """Rank body: the op's planned run as on CUDA, called on CPU tensors over gloo (the consumer GEMM's path is
+    device-agnostic Python apart from the side stream), against the CPU op; and the path it logged."""
     from fastmesh.ops import fused_collectives
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -239,13 +243,17 @@ def _through_the_cuda_kernel(shape, dim, pieces, return_a, enabled):
     k = shape[-1] * (world if dim == len(shape) - 1 else 1)
     bs = [small_ints((k, 6), torch.bfloat16, seed=1), small_ints((k, 11), torch.bfloat16, seed=2)]
     os.environ[chunked_gather.ENV_ENABLE] = "1" if enabled else "0"
+    settings.reload()
     try:
         with plan_log() as messages:
             name = fastmesh.group_name(dist.group.WORLD)
-            a_full, outs = fused_collectives._all_gather_matmul_cuda(shards[rank], bs, dim, name, return_a, pieces)
+            (a_full, outs), _ = fused_collectives._all_gather_matmul_planned(
+                shards[rank], bs, dim, name, return_a, pieces, cuda=True
+            )
             expected_a, expected = torch.ops.fastmesh.all_gather_matmul(shards[rank], bs, dim, name, True, pieces)
     finally:
         os.environ.pop(chunked_gather.ENV_ENABLE)
+        settings.reload()
     _, outs_ref = reference(shards, bs, dim)
     for out, cpu_out, ref in zip(outs, expected, outs_ref):
         assert_same(out, cpu_out, "against the CPU op")

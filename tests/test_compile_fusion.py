@@ -34,6 +34,7 @@ from torch._inductor import config as inductor_config
 from torch_support import ROWWISE_ON_CPU
 
 import fastmesh.compile
+from fastmesh import settings
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
 
 # The fused ops sum in a different order than the unfused graph (pieces; one matmul for a sum of matmuls):
@@ -79,6 +80,7 @@ def _fusion(strict=False, census=None, tune="off"):
     pass can fuse, whose shapes are too small for fusing to pay."""
     saved_tune = os.environ.get("FASTMESH_TUNE")
     os.environ["FASTMESH_TUNE"] = tune
+    settings.reload()
     saved = inductor_config.post_grad_custom_post_pass
     inductor_config.post_grad_custom_post_pass = census
     fastmesh.compile.enable_fusion(strict=strict)
@@ -95,6 +97,7 @@ def _fusion(strict=False, census=None, tune="off"):
             os.environ.pop("FASTMESH_TUNE")
         else:
             os.environ["FASTMESH_TUNE"] = saved_tune
+        settings.reload()
 
 
 def _randn(shape, seed):

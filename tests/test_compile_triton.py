@@ -314,6 +314,8 @@ def _trace_mx_cast() -> dict:
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from fastmesh import settings
+
     graphs = []
 
     def capture(graph_module, example_inputs):
@@ -326,6 +328,7 @@ def _trace_mx_cast() -> dict:
         for impl, transpose in itertools.product(("triton", "cuda"), (False, True)):
             graphs.clear()
             os.environ["FASTMESH_FP8_CUDA_IMPL"] = impl
+            settings.reload()
 
             def cast(t, transpose=transpose):
                 return torch.ops.fastmesh.mx_quantize(t, torch.float8_e4m3fn, "rceil", transpose)
@@ -338,6 +341,7 @@ def _trace_mx_cast() -> dict:
                 "shapes": [[str(t.dtype), list(t.shape), t.device.type] for t in out],
             }
     os.environ["FASTMESH_FP8_CUDA_IMPL"] = "triton"
+    settings.reload()
     return results
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from fastmesh import _build_config, _cpp_lib
+from fastmesh import _build_config, _cpp_lib, settings
 
 
 def build_info(**overrides):
@@ -33,9 +33,11 @@ def test_changed_sources_are_stale(monkeypatch):
     if not os.path.isdir(_build_config.csrc_dir()):
         pytest.skip("installed without a source checkout: nothing to be stale against")
     monkeypatch.delenv("FASTMESH_ALLOW_STALE", raising=False)
+    settings.reload()
     with pytest.raises(_cpp_lib.ExtensionError, match=r"stale: sources under .*csrc changed.*pip install"):
         _cpp_lib._check_build_info(build_info(source_digest="0" * 64))
     monkeypatch.setenv("FASTMESH_ALLOW_STALE", "1")
+    settings.reload()
     _cpp_lib._check_build_info(build_info(source_digest="0" * 64))
 
 

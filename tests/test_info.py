@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastmesh
-from fastmesh import _cpp_lib, info
+from fastmesh import _cpp_lib, info, settings
 from fastmesh.ops.plan_cache import PlanCache
 
 
@@ -105,17 +105,20 @@ def test_reports_the_cuda_all_gather_path(monkeypatch):
     """Which path all_gather_matmul takes on CUDA under the current settings, and a bad setting as a problem."""
     monkeypatch.delenv("FASTMESH_CUDA_CONSUMER_GEMM", raising=False)
     monkeypatch.delenv("FASTMESH_CONSUMER_FREE_SMS", raising=False)
+    settings.reload()
     assert (
         "CUDA all-gather the pipelined decomposition (the Triton consumer GEMM is opt-in: "
         "FASTMESH_CUDA_CONSUMER_GEMM=1)" in info.format_report(info.collect())
     )
     monkeypatch.setenv("FASTMESH_CUDA_CONSUMER_GEMM", "1")
     monkeypatch.setenv("FASTMESH_CONSUMER_FREE_SMS", "24")
+    settings.reload()
     assert (
         "the Triton consumer GEMM where it applies (FASTMESH_CUDA_CONSUMER_GEMM=1; 24 SMs left to the "
         "transfer)" in info.format_report(info.collect())
     )
     monkeypatch.setenv("FASTMESH_CONSUMER_FREE_SMS", "0")
+    settings.reload()
     report = info.collect()
     assert not report["usable"]
     assert (
@@ -129,6 +132,7 @@ def test_reports_the_plan_choice_and_the_plan_cache(monkeypatch, tmp_path):
     path = tmp_path / "plans.json"
     monkeypatch.setenv("FASTMESH_TUNE_CACHE", str(path))
     monkeypatch.delenv("FASTMESH_TUNE", raising=False)
+    settings.reload()
     report = info.collect()
     assert report["tuning"] == {
         "mode": "model",
@@ -152,6 +156,7 @@ def test_reports_the_plan_choice_and_the_plan_cache(monkeypatch, tmp_path):
     here.store("key-2", {"split": "none", "pieces": 1})
     elsewhere.store("key-1", {"split": "rows", "pieces": 4})
     monkeypatch.setenv("FASTMESH_TUNE", "measure")
+    settings.reload()
     report = info.collect()
     assert report["usable"], report["problems"]
     assert report["tuning"]["mode"] == "measure" and report["tuning"]["cache"]["exists"]
@@ -166,6 +171,7 @@ def test_reports_the_plan_choice_and_the_plan_cache(monkeypatch, tmp_path):
     assert report["tuning"]["cache"]["unreadable"].startswith(f"fastmesh: ignoring the plan cache {path} (")
 
     monkeypatch.setenv("FASTMESH_TUNE", "fast")
+    settings.reload()
     report = info.collect()
     assert not report["usable"]
     assert report["problems"] == ["FASTMESH_TUNE must be one of off, model, measure, got 'fast'"]

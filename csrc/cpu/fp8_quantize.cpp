@@ -670,7 +670,7 @@ void write_scales(const ScaleRule& rule, at::Tensor& scale) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> fp8_quantize_cpu(
     const at::Tensor& x, at::ScalarType dtype, c10::string_view granularity, const std::optional<at::Tensor>& scale,
     const std::optional<at::Tensor>& amax, bool transpose, bool power_of_two) {
-  const QuantizeCall call = check_quantize_args(x, dtype, granularity, scale, amax, transpose, kOp);
+  const QuantizeCall call = check_quantize_args(x, dtype, granularity, scale, amax, transpose, power_of_two, kOp);
   const Fp8Format format = call.format;
   const Granularity parsed = call.granularity;
   const auto& layout = call.layout;
@@ -732,8 +732,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   return {data, scale_out, amax_out, data_t, scale_t};
 }
 
+// The CPU kernel of fastmesh::fp8_quantize, the triton_op users call (fastmesh/ops/fp8_quantize.py): its Python body
+// serves CUDA (Triton, or the CUDA C++ kernel) and tracing; a CPU call runs this, no Python. As that body: x read as
+// a contiguous copy where it is strided, empty data_t and scale_t without transpose (its schema has no optional
+// outputs).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_op_cpu(
+    const at::Tensor& x, at::ScalarType dtype, c10::string_view granularity, const std::optional<at::Tensor>& scale,
+    const std::optional<at::Tensor>& amax, bool transpose, bool power_of_two) {
+  auto [data, scale_out, amax_out, data_t, scale_t] =
+      fp8_quantize_cpu(x.contiguous(), dtype, granularity, scale, amax, transpose, power_of_two);
+  if (!transpose) {
+    data_t = at::empty({0}, x.options().dtype(dtype));
+    scale_t = at::empty({0}, x.options().dtype(at::kFloat));
+  }
+  return {data, scale_out, amax_out, *data_t, *scale_t};
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CPU, m) { m.impl("fp8_quantize_native", &fastmesh::cpu::fp8_quantize_cpu); }
+TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
+  m.impl("fp8_quantize_native", &fastmesh::cpu::fp8_quantize_cpu);
+  m.impl("fp8_quantize", &fastmesh::cpu::fp8_quantize_op_cpu);
+}

@@ -217,8 +217,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   return {data, scale, amax, data_t, scale_t};
 }
 
+// The CPU kernel of fastmesh::mx_quantize, the triton_op users call (fastmesh/ops/mx_quantize.py), as
+// fp8_quantize_op_cpu (cpu/fp8_quantize.cpp) is fastmesh::fp8_quantize's: no Python on a CPU call.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_op_cpu(const at::Tensor& x,
+                                                                                          at::ScalarType dtype,
+                                                                                          c10::string_view rounding,
+                                                                                          bool transpose) {
+  auto [data, scale, amax, data_t, scale_t] = mx_quantize_cpu(x.contiguous(), dtype, rounding, transpose);
+  if (!transpose) {
+    data_t = at::empty({0}, x.options().dtype(dtype));
+    scale_t = at::empty({0}, x.options().dtype(at::kFloat8_e8m0fnu));
+  }
+  return {data, scale, amax, *data_t, *scale_t};
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace fastmesh
 
-TORCH_LIBRARY_IMPL(fastmesh, CPU, m) { m.impl("mx_quantize_native", &fastmesh::cpu::mx_quantize_cpu); }
+TORCH_LIBRARY_IMPL(fastmesh, CPU, m) {
+  m.impl("mx_quantize_native", &fastmesh::cpu::mx_quantize_cpu);
+  m.impl("mx_quantize", &fastmesh::cpu::mx_quantize_op_cpu);
+}

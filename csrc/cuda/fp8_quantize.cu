@@ -657,7 +657,7 @@ using QuantizeResult =
 QuantizeResult fp8_quantize_cuda(const at::Tensor& x, at::ScalarType dtype, c10::string_view granularity_arg,
                                  const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& amax,
                                  bool transpose, bool power_of_two) {
-  const QuantizeCall call = check_quantize_args(x, dtype, granularity_arg, scale, amax, transpose, kOp);
+  const QuantizeCall call = check_quantize_args(x, dtype, granularity_arg, scale, amax, transpose, power_of_two, kOp);
   const Fp8Format format = call.format;
   const Granularity granularity = call.granularity;
   const std::vector<int64_t>& sizes = call.layout;

@@ -128,8 +128,18 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> all_gather_matmul
   const RowLayout layout = pipeline::row_layout(shard.sizes(), dim);
   if (schedule == pipeline::Split::kNone) {  // the whole gather, then one multiply per b (b read once)
     const at::Tensor gathered = a_full ? *a_full : at::empty(full_sizes, a_shard.options());
-    const at::Tensor blocks = rank_blocks_view(gathered, layout, world);
-    gather_rows(group, kOp, shard, dim, &blocks, 1, [](int64_t, Piece, const at::Tensor&) {});
+    if (layout.outer == 1 && !point_to_point(group, shard.device())) {
+      // The ranks' rows are consecutive blocks of the gathered a, as the collective lays them out: one all-gather
+      // straight into it, the unfused sequence itself.
+      at::Tensor flat = gathered.view({-1, shard.size(-1)});
+      at::Tensor shard_rows = rows_view(shard);
+      InFlight transfer(group, kOp);
+      transfer.add({start_all_gather(group, flat, shard_rows)});
+      transfer.wait(0);
+    } else {
+      const at::Tensor blocks = rank_blocks_view(gathered, layout, world);
+      gather_rows(group, kOp, shard, dim, &blocks, 1, [](int64_t, Piece, const at::Tensor&) {});
+    }
     for (size_t i = 0; i < bs.size(); ++i) at::matmul_out(outs[i], gathered, bs[i]);
     return {a_full, outs};
   }

@@ -1,5 +1,7 @@
 #include "process_group.h"
 
+#include "settings.h"
+
 #include "fastmesh/checks.h"
 
 #include <ATen/ops/empty.h>
@@ -58,30 +60,12 @@ Work start_all_reduce_sum(const Group& group, at::Tensor& tensor) {
   return group->allreduce(tensors, options);
 }
 
-namespace {
-
-enum class Transport { kAuto, kCollective, kPointToPoint };
-
-constexpr const char* kTransportVariable = "FASTMESH_TRANSPORT";
-
-// Read on every call, so that a test can switch it between calls: one getenv and a few compares.
-Transport transport_setting() {
-  const char* value = std::getenv(kTransportVariable);
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return Transport::kAuto;
-  if (std::strcmp(value, "collective") == 0) return Transport::kCollective;
-  if (std::strcmp(value, "p2p") == 0) return Transport::kPointToPoint;
-  TORCH_CHECK_VALUE(false, kTransportVariable, " (how the fused ops move their pieces) must be \"auto\", ",
-                    "\"collective\" or \"p2p\", got \"", value, '"');
-}
-
-}  // namespace
-
 bool point_to_point(const Group& group, const at::Device& device) {
   const Transport transport = transport_setting();
   if (transport == Transport::kCollective) return false;
   const std::string backend = group->getBackend(device.type())->getBackendName();
   if (transport == Transport::kAuto) return backend == "gloo";
-  TORCH_CHECK_VALUE(backend != "nccl", kTransportVariable,
+  TORCH_CHECK_VALUE(backend != "nccl", "FASTMESH_TRANSPORT",
                     "=p2p cannot run on NCCL: the fused ops post each send and receive on its own, and NCCL "
                     "deadlocks on those outside a group call (use \"auto\" or \"collective\")");
   return true;
@@ -263,17 +247,11 @@ std::string describe(const int64_t* slots) {
   return out.str();
 }
 
-constexpr const char* kShapeCheckVariable = "FASTMESH_SHAPE_CHECK";
+}  // namespace
 
-// Read on every call (one getenv), so that a test or a debugging session can switch it between calls.
-bool checks_every_call() {
-  if (c10d::debug_level() == c10d::DebugLevel::Detail) return true;
-  const char* value = std::getenv(kShapeCheckVariable);
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "first") == 0) return false;
-  if (std::strcmp(value, "every") == 0) return true;
-  TORCH_CHECK_VALUE(false, kShapeCheckVariable, " (when the fused ops compare shapes across ranks) must be ",
-                    "\"first\" or \"every\", got \"", value, '"');
-}
+bool checks_every_call() { return c10d::debug_level() == c10d::DebugLevel::Detail || shape_check_every_call_setting(); }
+
+namespace {
 
 std::mutex checked_mutex;
 std::set<std::string> checked_calls;  // group name / op / arguments whose first call passed the check

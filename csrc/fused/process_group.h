@@ -145,6 +145,10 @@ void check_same_shapes_on_all_ranks(const Group& group, const std::vector<at::Te
                                     const std::vector<std::string>& args, const std::vector<Option>& options,
                                     const char* op);
 
+// Whether check_same_shapes_on_all_ranks checks every call (FASTMESH_SHAPE_CHECK=every or
+// TORCH_DISTRIBUTED_DEBUG=DETAIL) rather than the first of each op and arguments.
+bool checks_every_call();
+
 // Test-only fault injection (tests/test_faults.py): the fused ops' next pipeline pieces (not the shape check, not
 // the FP8 scales' gather) start as usual until `after` of them have started; the one after that starts, then
 // `action` strikes: "exit" ends the process at once (as a crash), "raise" throws from the op (the transfers it

@@ -9,6 +9,9 @@ from fastmesh.ops.fp8_quantize import Float8Quantized, quantize
 from fastmesh.ops.fused_collectives import all_gather_matmul, matmul_reduce_scatter
 from fastmesh.ops.matmul_all_gather import matmul_all_gather
 from fastmesh.ops.matmul_all_reduce import matmul_all_reduce
+from fastmesh.ops.plans import connect_kernels
+
+connect_kernels()  # after the op modules: their planned runs are registered
 
 __all__ = [
     "Float8Quantized",

@@ -44,8 +44,7 @@ def check_tensor(
 ) -> None:
     """``t`` is a dense tensor of one of ``dtypes`` with ``min_dim..max_dim`` dims (on ``device``, the device of
     the argument named ``device_of``, when given); else a TypeError (type, dtype) or ValueError naming ``arg``."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    check_is_tensor(t, op, arg)
     if t.dtype not in dtypes:
         raise TypeError(f"{op}: {arg} must be {dtype_names(dtypes)}, got {t.dtype}")
     if t.layout != torch.strided:
@@ -60,6 +59,19 @@ def check_tensor(
 def check_bool(value, op: str, arg: str) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{op}: {arg} must be a bool, got {type(value).__name__}")
+
+
+def check_int(value, op: str, arg: str) -> None:
+    """An int (not a bool) that fits the op's schema (64 bits); its range is the op's to check."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {arg} must be an int, got {type(value).__name__}")
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{op}: {arg} must fit in 64 bits, got {value!r}")
+
+
+def check_is_tensor(value, op: str, arg: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def check_fp8_dtype(dtype: torch.dtype, op: str, arg: str = "dtype") -> None:

@@ -33,6 +33,13 @@ def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def any_dtensor(ts) -> bool:
+    for t in ts:  # noqa: SIM110  (a loop, not any() of a generator: this runs on every front call)
+        if isinstance(t, DTensor):
+            return True
+    return False
+
+
 def _contiguous_strides(shape) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):

@@ -34,7 +34,8 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh._log import log_once
 from fastmesh.ops._checks import FLOAT_INPUTS, FP8_DTYPES, MX, MX_BLOCK, check_tensor
-from fastmesh.ops.fp8_quantize import quantize
+from fastmesh.ops.fp8_quantize import fp8_quantize
+from fastmesh.ops.mx_quantize import mx_quantize
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config
@@ -227,10 +228,11 @@ def fp8_dgrad_possible(config: Float8Config, a: torch.Tensor) -> bool:
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, granularity: str, config: Float8Config):
+    """The casts below quantize's front: the config's options were checked when it was made."""
     if granularity == MX:
-        q = quantize(x.detach(), dtype=dtype, granularity=MX, scale_rounding=config.scale_rounding)
-    else:
-        q = quantize(x.detach(), dtype=dtype, granularity=granularity, power_of_two=config.power_of_two)
+        data, scale, *_ = mx_quantize(x, dtype, config.scale_rounding or "floor")
+        return data, scale
+    q = fp8_quantize(x, dtype, granularity, power_of_two=config.power_of_two)
     return q.data, q.scale
 
 

@@ -9,8 +9,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fastmesh import _cpp_lib
-from fastmesh.ops._checks import MATMUL_DTYPES, REDUCE_OPS, check_tensor
-from fastmesh.ops._collectives import reduce_scatter
+from fastmesh.ops._checks import MATMUL_DTYPES, REDUCE_OPS, check_is_tensor, check_tensor
 
 
 def resolve_group(group_name: str, op: str):
@@ -54,6 +53,49 @@ def check_same_shapes(group_name: str, op: str, tensors: dict[str, torch.Tensor]
     unevenly) would leave one rank waiting for an agreement the others think they have."""
     named_values = [(name, repr(value)) for name, value in options.items()]
     _cpp_lib.load().check_same_shapes_on_all_ranks(list(tensors.values()), list(tensors), named_values, group_name, op)
+
+
+def check_matrices(bs, front: str, op: str) -> None:
+    """``bs``: a list (or tuple) of tensors, as the op's ``Tensor[]`` takes it; their shapes are the op's to check.
+    ``front`` names the Python front (what was passed), ``op`` the op (what it takes)."""
+    if isinstance(bs, torch.Tensor):  # iterating it would split one matrix into rows
+        shape = list(bs.shape)
+        raise TypeError(f"{front}: bs must be a list of matrices, got a Tensor of shape {shape}; pass [b] for one")
+    if not isinstance(bs, (list, tuple)):
+        raise TypeError(f"{front}: bs must be a list of matrices, got {type(bs).__name__}")
+    for i, b in enumerate(bs):
+        check_is_tensor(b, op, f"bs[{i}]")
+
+
+def is_plain(t) -> bool:
+    """Whether ``t`` goes to an op as it is: a plain tensor or parameter (a DTensor takes the fronts' DTensor path)."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def are_plain(ts) -> bool:
+    """Whether ``ts`` is a list or tuple of :func:`is_plain` tensors (a ``Tensor[]`` argument as it is)."""
+    if type(ts) is not list and type(ts) is not tuple:
+        return False
+    for t in ts:  # noqa: SIM110  (a loop, not all() of a generator: this runs on every front call)
+        if not is_plain(t):
+            return False
+    return True
+
+
+def plain_options(*ints, flag=False, pieces=None) -> bool:
+    """Whether a call's options go to the op as they are: ``ints`` ints (not bools), ``flag`` a bool, ``pieces`` None or
+    an int. The fronts check the rest only when the op refuses a call (:func:`fastmesh.ops.fused_collectives`)."""
+    for value in ints:
+        if type(value) is not int:
+            return False
+    return type(flag) is bool and (pieces is None or type(pieces) is int)
+
+
+def any_requires_grad(tensors) -> bool:
+    for t in tensors:  # noqa: SIM110  (a loop, not any() of a generator: this runs on every front call)
+        if t.requires_grad:
+            return True
+    return False
 
 
 def check_pieces(pieces, op: str) -> None:
@@ -129,12 +171,3 @@ def input_grad_operands(bs, grads) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         b_t = torch.cat(chosen, dim=1).t()
     return torch.cat([g for g, _ in grads], dim=-1), b_t
-
-
-def reduce_scatter_gathered_grad(grad_a_full, bs, grads, gather_dim: int, group_name: str) -> torch.Tensor:
-    """a_shard's gradient when the gathered a (returned by an all-gather + matmul op) has a gradient of its own:
-    the matmul terms added to it, then one plain reduce-scatter (nothing is left to fuse a matmul into)."""
-    total = grad_a_full
-    for g, i in grads:
-        total = total + g @ bs[i].t()
-    return reduce_scatter(total.contiguous(), gather_dim, group_name)

@@ -30,19 +30,17 @@ import dataclasses
 import functools
 import itertools
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
-from fastmesh import _cpp_lib
+from fastmesh import _cpp_lib, settings
 from fastmesh.ops._collectives import all_gather_into
 
 ENV_ENABLE = "FASTMESH_CUDA_CONSUMER_GEMM"
 ENV_FREE_SMS = "FASTMESH_CONSUMER_FREE_SMS"
 # SMs left free of consumer programs for the producer's kernels (NCCL's channels, the flag fills); not tuned on
 # hardware (docs/design/fused-collectives.md).
-DEFAULT_FREE_SMS = 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MAX = 2**31 - 1
 
@@ -58,7 +56,7 @@ def _kernels():
 
 def enabled() -> bool:
     """The Triton path is opt-in (``FASTMESH_CUDA_CONSUMER_GEMM=1``) until it has been measured on GPUs."""
-    return os.environ.get(ENV_ENABLE, "0") == "1"
+    return settings.get(ENV_ENABLE) == "1"
 
 
 def unsupported_reason(a_shard: torch.Tensor, gather_dim: int, world: int) -> str | None:
@@ -238,14 +236,7 @@ class LoopbackTransport:
 
 def free_sms() -> int:
     """The SMs the consumer leaves to the producer: ``FASTMESH_CONSUMER_FREE_SMS`` (an int >= 1), default 16."""
-    raw = os.environ.get(ENV_FREE_SMS, str(DEFAULT_FREE_SMS))
-    try:
-        free = int(raw)
-    except ValueError:
-        free = 0
-    if free < 1:
-        raise ValueError(f"{ENV_FREE_SMS} must be an int >= 1 (SMs kept free for the transfers), got {raw!r}")
-    return free
+    return settings.get(ENV_FREE_SMS)
 
 
 def consumer_programs(device: torch.device) -> int | None:

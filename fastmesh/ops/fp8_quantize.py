@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
-from fastmesh import _cpp_lib
+from fastmesh import settings
 from fastmesh._log import log_once
 from fastmesh.mesh import group_name
 from fastmesh.ops import _collectives
@@ -56,8 +55,8 @@ from fastmesh.ops.mx_quantize import mx_quantize
 
 logger = logging.getLogger(__name__)
 
-CUDA_IMPLEMENTATIONS = ("triton", "cuda")
 _OP = "fastmesh::fp8_quantize"
+_QUANTIZE_GRANULARITIES = (*GRANULARITIES, MX)  # what quantize() takes: the fp8_quantize op's and the MX cast
 # Granularities whose transposed groups are the transposes of the row groups, so that a given scale
 # or amax also determines the transposed output.
 _TRANSPOSE_FOLLOWS_GIVEN = ("tensorwise", "block128x128")
@@ -144,10 +143,7 @@ def check_quantize_args(
 
 def cuda_implementation() -> str:
     """Which CUDA implementation runs: ``FASTMESH_FP8_CUDA_IMPL`` (``triton`` by default, or ``cuda``)."""
-    choice = os.environ.get("FASTMESH_FP8_CUDA_IMPL", "triton")
-    if choice not in CUDA_IMPLEMENTATIONS:
-        raise ValueError(f"FASTMESH_FP8_CUDA_IMPL must be one of {CUDA_IMPLEMENTATIONS}, got {choice!r}")
-    return choice
+    return settings.get("FASTMESH_FP8_CUDA_IMPL")
 
 
 def _log_path_once(path: str) -> None:
@@ -187,6 +183,9 @@ def _fp8_quantize_body(
 fp8_quantize_op = torch.library.triton_op(
     qualified_name("fp8_quantize"), _fp8_quantize_body, mutates_args=(), schema=signature("fp8_quantize")
 )
+# The op users reach: on CPU it runs csrc/cpu/fp8_quantize.cpp's kernel directly (no Python); the body above serves
+# CUDA and tracing.
+_QUANTIZE = torch.ops.fastmesh.fp8_quantize.default
 
 
 @torch.library.register_fake(qualified_name("fp8_quantize_native"))
@@ -215,13 +214,12 @@ def fp8_quantize(
 ) -> Float8Quantized:
     """The op on one tensor (no group): see the module docstring. Not differentiable.
 
-    The op body validates the arguments before any kernel runs, in eager and under tracing alike."""
-    _cpp_lib.require()
-    data, scale_out, amax_out, data_t, scale_t = torch.ops.fastmesh.fp8_quantize(
-        x.detach(), dtype, granularity, scale, amax, transpose, power_of_two
+    The op validates the arguments before any kernel runs, in eager and under tracing alike."""
+    data, scale_out, amax_out, data_t, scale_t = _QUANTIZE(
+        x.detach() if x.requires_grad else x, dtype, granularity, scale, amax, transpose, power_of_two
     )
     if not transpose:
-        data_t = scale_t = None
+        return Float8Quantized(data, scale_out, amax_out, None, None)
     return Float8Quantized(data, scale_out, amax_out, data_t, scale_t)
 
 
@@ -284,8 +282,8 @@ def quantize(
     check_fp8_dtype(dtype, op)  # here, not only in the op: its schema would refuse a non-dtype less clearly
     check_bool(transpose, op, "transpose")
     check_bool(power_of_two, op, "power_of_two")
-    if granularity not in (*GRANULARITIES, MX):
-        known = ", ".join(map(repr, (*GRANULARITIES, MX)))
+    if granularity not in _QUANTIZE_GRANULARITIES:
+        known = ", ".join(map(repr, _QUANTIZE_GRANULARITIES))
         raise ValueError(f"{op}: granularity must be one of {known}, got {granularity!r}")
     if scale is not None and not isinstance(scale, torch.Tensor):
         raise TypeError(
@@ -293,8 +291,8 @@ def quantize(
             f"{type(scale).__name__}"
         )
     if granularity == MX:
-        given = {"scale": scale is not None, "amax_group": amax_group is not None, "power_of_two": power_of_two}
-        for arg in (arg for arg, is_given in given.items() if is_given):
+        if scale is not None or amax_group is not None or power_of_two:
+            arg = "scale" if scale is not None else "amax_group" if amax_group is not None else "power_of_two"
             raise ValueError(
                 f"{op}: {arg}= does not apply to granularity 'mx' (its scales are powers of two from each block's "
                 "own amax)"

@@ -29,7 +29,6 @@ How a call runs (pieces, plans, CUDA paths): ``docs/plans.md`` and ``docs/design
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -38,26 +37,27 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, autocast, chunked_gather, plans, traced_unfused
-from fastmesh.ops._checks import MATMUL_DTYPES, check_bool, check_tensor, wrap_dim
-from fastmesh.ops._collectives import all_gather
+from fastmesh.ops._checks import MATMUL_DTYPES, check_bool, check_int, check_is_tensor, check_tensor, wrap_dim
 from fastmesh.ops._fp8_operands import check_config
 from fastmesh.ops._fused_common import (
-    as_matrix,
+    any_requires_grad,
+    are_plain,
     check_like,
     check_matmul_operands,
+    check_matrices,
     check_pieces,
     check_reduce_op,
     check_same_shapes,
     check_scattered_divisible,
     gathered_shape,
     group_size,
-    input_grad_operands,
-    reduce_scatter_gathered_grad,
+    is_plain,
+    plain_options,
     resolve_group,
     resolve_pieces,
     scattered_shape,
 )
-from fastmesh.ops._library import library, qualified_name
+from fastmesh.ops._library import qualified_name
 from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, check_rows_gathered, matmul_reduce_scatter_fp8
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
@@ -65,6 +65,10 @@ if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
 
 _AG = "fastmesh::all_gather_matmul"
 _RS = "fastmesh::matmul_reduce_scatter"
+_AG_FRONT = "fastmesh.all_gather_matmul"
+_RS_FRONT = "fastmesh.matmul_reduce_scatter"
+_AG_OP = torch.ops.fastmesh.all_gather_matmul.default
+_RS_OP = torch.ops.fastmesh.matmul_reduce_scatter.default
 
 
 # ---- checks (the wording of csrc/fused/checks.h) ----
@@ -141,12 +145,15 @@ def scatter_plan_call(a, b, dim: int, group_name: str) -> plans.Call:
     return plans.scatter_call(_RS, resolve_group(group_name, _RS), group_name, a, b.shape[1], dim, a.dtype)
 
 
-def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0, *, cuda=False):
+@plans.planned_run("all_gather_matmul")
+def _all_gather_matmul_planned(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0, *, cuda=None):
+    """``cuda``: plan the call as on CUDA (the consumer GEMM's path; its tests run it on CPU tensors, interpreted),
+    default: the tensors' device."""
     group = resolve_group(group_name, _AG)
     world = group.size()
     dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, pieces)
     ext = _cpp_lib.load()
-    bs = list(bs)
+    cuda = a_shard.device.type == "cuda" if cuda is None else cuda
 
     def run(plan: plans.Plan):
         if plan.split == "consumer_gemm":
@@ -156,13 +163,13 @@ def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=Fals
         return ext.all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, plan.pieces, plan.split)
 
     if world == 1:
-        return run(plans.FIXED)
+        return plans.run_unplanned(run)
     bs_shapes = {f"bs[{i}]": b for i, b in enumerate(bs)}
     check_same_shapes(
         group_name, _AG, {"a_shard": a_shard, **bs_shapes}, gather_dim=dim, return_a=return_a, pieces=pieces
     )
     if a_shard.numel() == 0:
-        return run(plans.FIXED)
+        return plans.run_unplanned(run)
     measuring = plans.mode() == "measure"
     reason = chunked_gather.unsupported_reason(a_shard, dim, world) if cuda else "not a CUDA call"
     call = gather_plan_call(a_shard, bs, dim, group_name, consumer_gemm=reason is None and measuring)
@@ -173,13 +180,11 @@ def _all_gather_matmul_kernel(a_shard, bs, gather_dim, group_name, return_a=Fals
     elif cuda and not measuring:
         reason = reason or f"it is opt-in until measured on GPUs: {chunked_gather.ENV_ENABLE}=1"
         note = f"(not the Triton consumer GEMM: {reason})"
-    return run(plans.decide(call, pieces, run, forced, note).plan)
+    return plans.run_planned(call, run, plans.decide(call, pieces, run, forced, note))
 
 
-_all_gather_matmul_cuda = functools.partial(_all_gather_matmul_kernel, cuda=True)
-
-
-def _matmul_reduce_scatter_kernel(a, b, scatter_dim, reduce_op, group_name, pieces=0):
+@plans.planned_run("matmul_reduce_scatter")
+def _matmul_reduce_scatter_planned(a, b, scatter_dim, reduce_op, group_name, pieces=0):
     group = resolve_group(group_name, _RS)
     world = group.size()
     dim = _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world, pieces)
@@ -189,103 +194,17 @@ def _matmul_reduce_scatter_kernel(a, b, scatter_dim, reduce_op, group_name, piec
         return ext.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, plan.pieces, plan.split)
 
     if world == 1:
-        return run(plans.FIXED)
+        return plans.run_unplanned(run)
     product = scattered_shape(a.shape, b.shape[1], dim, world)  # what travels: its shape, not its values
     operands = {"a @ b": a.new_empty(()).expand(product), "a": a, "b": b}
     check_same_shapes(group_name, _RS, operands, scatter_dim=dim, reduce_op=reduce_op, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
-        return run(plans.FIXED)
-    return run(plans.decide(scatter_plan_call(a, b, dim, group_name), pieces, run).plan)
+        return plans.run_unplanned(run)
+    call = scatter_plan_call(a, b, dim, group_name)
+    return plans.run_planned(call, run, plans.decide(call, pieces, run))
 
 
-library.impl("all_gather_matmul", _all_gather_matmul_kernel, "CPU")
-library.impl("all_gather_matmul", _all_gather_matmul_cuda, "CUDA")
-for _device in ("CPU", "CUDA"):
-    library.impl("matmul_reduce_scatter", _matmul_reduce_scatter_kernel, _device)
-
-
-# ---- autograd ----
-
-
-def _all_gather_matmul_setup(ctx, inputs, output):
-    a_shard, bs, gather_dim, group_name, *defaulted = inputs  # return_a, pieces (see _input_grads)
-    pieces = defaulted[1] if len(defaulted) > 1 else 0
-    a_full, _ = output
-    # Unused outputs (typically the gathered a, returned only for this backward) get no gradient rather
-    # than zeros: no dead reduce-scatter term.
-    ctx.set_materialize_grads(False)
-    ctx.gather_dim = gather_dim % a_shard.dim()
-    ctx.group_name = group_name
-    ctx.pieces = pieces
-    ctx.num_bs = len(bs)
-    ctx.bs_need_grad = any(b.requires_grad for b in bs)
-    # For the bs' gradients: the gathered a, or the shard to gather again in backward when the op was
-    # called without return_a. For a_shard's: the bs.
-    ctx.a_is_gathered = a_full is not None
-    a_saved = (a_full if ctx.a_is_gathered else a_shard) if ctx.bs_need_grad else None
-    ctx.save_for_backward(a_saved, *(bs if a_shard.requires_grad else ()))
-
-
-def _all_gather_matmul_backward(ctx, grad_a_full, grad_outs):
-    a_saved, *bs = ctx.saved_tensors
-    grads = [(g, i) for i, g in enumerate(grad_outs) if g is not None]
-    grad_a_shard = None
-    if ctx.needs_input_grad[0] and (grads or grad_a_full is not None):
-        grad_a_shard = _all_gather_matmul_input_grad(ctx, bs, grads, grad_a_full)
-    grad_bs = [None] * ctx.num_bs  # a list input takes a list of gradients
-    if ctx.bs_need_grad:
-        a_full = a_saved if ctx.a_is_gathered else all_gather(a_saved.detach(), ctx.gather_dim, ctx.group_name)
-        for g, i in grads:
-            grad_bs[i] = as_matrix(a_full).t() @ as_matrix(g)
-    return _input_grads(ctx, grad_a_shard, grad_bs)
-
-
-def _input_grads(ctx, *grads):
-    """``grads`` for the leading inputs, None for the rest. (torch 2.11 leaves trailing arguments equal to their
-    defaults out of the inputs autograd sees, so their count varies.)"""
-    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
-
-
-def _all_gather_matmul_input_grad(ctx, bs, grads, grad_a_full):
-    if grad_a_full is not None:
-        return reduce_scatter_gathered_grad(grad_a_full, bs, grads, ctx.gather_dim, ctx.group_name)
-    grad_c, b_t = input_grad_operands(bs, grads)
-    return torch.ops.fastmesh.matmul_reduce_scatter(grad_c, b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.pieces)
-
-
-def _matmul_reduce_scatter_setup(ctx, inputs, output):
-    a, b, scatter_dim, reduce_op, group_name, *defaulted = inputs  # pieces (see _input_grads)
-    pieces = defaulted[0] if defaulted else 0
-    ctx.scatter_dim = scatter_dim % a.dim()
-    ctx.reduce_op = reduce_op
-    ctx.group_name = group_name
-    ctx.pieces = pieces
-    ctx.save_for_backward(a if b.requires_grad else None, b if a.requires_grad else None)
-
-
-def _matmul_reduce_scatter_backward(ctx, grad_out):
-    a, b = ctx.saved_tensors
-    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if ctx.reduce_op == "avg":
-        grad_out = grad_out / group_size(ctx.group_name, _RS)
-    grad_a = grad_b = None
-    if need_a:
-        grad_c, (grad_a,) = torch.ops.fastmesh.all_gather_matmul(
-            grad_out.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name, need_b, ctx.pieces
-        )
-    elif need_b:
-        grad_c = all_gather(grad_out.contiguous(), ctx.scatter_dim, ctx.group_name)
-    if need_b:
-        grad_b = as_matrix(a).t() @ as_matrix(grad_c)
-    return _input_grads(ctx, grad_a, grad_b)
-
-
-torch.library.register_autograd(
-    qualified_name("all_gather_matmul"), _all_gather_matmul_backward, setup_context=_all_gather_matmul_setup
-)
-torch.library.register_autograd(
-    qualified_name("matmul_reduce_scatter"), _matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_setup
-)
+# Autograd: csrc/fused/autograd.cpp (the formulas in the module docstring).
 
 
 # ---- Python fronts ----
@@ -342,30 +261,43 @@ def all_gather_matmul(
         >>> a.shape, q.shape
         (torch.Size([8, 8]), torch.Size([8, wq.shape[1]]))
     """
-    if isinstance(bs, torch.Tensor):  # iterating it would split one matrix into rows
-        raise TypeError(
-            f"fastmesh.all_gather_matmul: bs must be a list of matrices, got a Tensor of shape "
-            f"{list(bs.shape)}; pass [b] for one"
-        )
-    if not isinstance(bs, (list, tuple)):
-        raise TypeError(f"fastmesh.all_gather_matmul: bs must be a list of matrices, got {type(bs).__name__}")
-    check_bool(return_a, "fastmesh.all_gather_matmul", "return_a")
-    pieces = resolve_pieces(pieces, chunks, "fastmesh.all_gather_matmul")
-    a_shard, bs = autocast.cast(a_shard), autocast.cast(list(bs))
-    if _dtensor.is_dtensor(a_shard) or any(_dtensor.is_dtensor(b) for b in bs):
+    if chunks is not None:
+        pieces = resolve_pieces(pieces, chunks, _AG_FRONT)
+    if fp8 is None and is_plain(a_shard) and are_plain(bs) and plain_options(gather_dim, flag=return_a, pieces=pieces):
+        # The steady state: the op checks a key's arguments on its first call, the front only the types its schema
+        # takes, and what the schema refuses (a value out of its range) only once refused.
+        name = _group_name_of(group)
+        # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
+        want_a = return_a or (torch.is_grad_enabled() and any_requires_grad(bs))
+        try:
+            a_full, outs = _AG_OP(a_shard, bs, gather_dim, name, want_a, 0 if pieces is None else pieces)
+        except RuntimeError:
+            _check_all_gather_front(a_shard, bs, gather_dim, return_a, 0 if pieces is None else pieces)
+            raise
+        return (a_full if return_a else None), outs
+    pieces = 0 if pieces is None else pieces
+    _check_all_gather_front(a_shard, bs, gather_dim, return_a, pieces)
+    if _dtensor.is_dtensor(a_shard) or _dtensor.any_dtensor(bs):
         return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, pieces, fp8)
     name = _group_name_of(group)
-    pieces = 0 if pieces is None else pieces
-    if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
-        _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces, fp8 is not None)
-    _cpp_lib.require()
     if fp8 is not None:
-        config = check_config(fp8, "fastmesh.all_gather_matmul", a_shard.dtype)
+        a_shard, bs = autocast.cast(a_shard), autocast.cast(list(bs))
+        if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
+            _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces, fp8=True)
+        config = check_config(fp8, _AG_FRONT, a_shard.dtype)
         return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, pieces, config)
-    # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
-    want_a = return_a or (torch.is_grad_enabled() and any(b.requires_grad for b in bs))
-    a_full, outs = torch.ops.fastmesh.all_gather_matmul(a_shard, bs, gather_dim, name, want_a, pieces)
-    return (a_full if return_a else None), list(outs)
+    want_a = return_a or (torch.is_grad_enabled() and any_requires_grad(bs))
+    a_full, outs = _AG_OP(a_shard, bs, gather_dim, name, want_a, pieces)
+    return (a_full if return_a else None), outs
+
+
+def _check_all_gather_front(a_shard, bs, gather_dim, return_a, pieces) -> None:
+    """What the op's schema would refuse less clearly than these errors; the rest the op checks."""
+    check_is_tensor(a_shard, _AG, "a_shard")
+    check_matrices(bs, _AG_FRONT, _AG)
+    check_int(gather_dim, _AG, "gather_dim")
+    check_bool(return_a, _AG_FRONT, "return_a")
+    check_pieces(pieces, _AG)
 
 
 def matmul_reduce_scatter(
@@ -411,17 +343,33 @@ def matmul_reduce_scatter(
         >>> # xdoctest: +SKIP("needs a process group")
         >>> y_shard = fastmesh.matmul_reduce_scatter(h, w2_t_shard, scatter_dim=0, group=mesh["tp"])
     """
-    pieces = resolve_pieces(pieces, chunks, "fastmesh.matmul_reduce_scatter")
-    a, b = autocast.cast((a, b))
+    if chunks is not None:
+        pieces = resolve_pieces(pieces, chunks, _RS_FRONT)
+    if fp8 is None and is_plain(a) and is_plain(b) and plain_options(scatter_dim, pieces=pieces):
+        name = _group_name_of(group)  # the steady state, as all_gather_matmul's
+        try:
+            return _RS_OP(a, b, scatter_dim, reduce_op, name, 0 if pieces is None else pieces)
+        except RuntimeError:
+            _check_reduce_scatter_front(a, b, scatter_dim, reduce_op, 0 if pieces is None else pieces)
+            raise
+    pieces = 0 if pieces is None else pieces
+    _check_reduce_scatter_front(a, b, scatter_dim, reduce_op, pieces)
     if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
         return _dtensor.matmul_reduce_scatter(matmul_reduce_scatter, a, b, scatter_dim, group, reduce_op, pieces, fp8)
     name = _group_name_of(group)
-    pieces = 0 if pieces is None else pieces
-    if not torch.compiler.is_compiling():
-        _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), pieces)
-    _cpp_lib.require()
     if fp8 is not None:
-        return matmul_reduce_scatter_fp8(
-            a, b, scatter_dim, name, reduce_op, pieces, check_config(fp8, "fastmesh.matmul_reduce_scatter", a.dtype)
-        )
-    return torch.ops.fastmesh.matmul_reduce_scatter(a, b, scatter_dim, reduce_op, name, pieces)
+        a, b = autocast.cast((a, b))
+        if not torch.compiler.is_compiling():
+            _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), pieces)
+        config = check_config(fp8, _RS_FRONT, a.dtype)
+        return matmul_reduce_scatter_fp8(a, b, scatter_dim, name, reduce_op, pieces, config)
+    return _RS_OP(a, b, scatter_dim, reduce_op, name, pieces)
+
+
+def _check_reduce_scatter_front(a, b, scatter_dim, reduce_op, pieces) -> None:
+    """What the op's schema would refuse less clearly than these errors; the rest the op checks."""
+    check_is_tensor(a, _RS, "a")
+    check_is_tensor(b, _RS, "b")
+    check_int(scatter_dim, _RS, "scatter_dim")
+    check_reduce_op(reduce_op, _RS)
+    check_pieces(pieces, _RS)

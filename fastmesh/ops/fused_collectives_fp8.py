@@ -66,7 +66,7 @@ from fastmesh.ops._fused_common import (
     resolve_group,
     scattered_shape,
 )
-from fastmesh.ops._library import library, qualified_name
+from fastmesh.ops._library import qualified_name
 from fastmesh.ops.fp8_quantize import dequantize
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
@@ -181,7 +181,8 @@ def scaled_scatter_plan_call(
     )
 
 
-def _all_gather_scaled_matmul_kernel(
+@plans.planned_run("all_gather_scaled_matmul")
+def _all_gather_scaled_matmul_planned(
     a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, pieces=0
 ):
     group = resolve_group(group_name, _AG)
@@ -191,7 +192,6 @@ def _all_gather_scaled_matmul_kernel(
     for b, b_layout in zip(bs, b_layouts):
         log_multiply(_AG, a_shard.dtype, b, (a_layout, b_layout), out_dtype)
     ext = _cpp_lib.load()
-    bs, b_scales = list(bs), list(b_scales)
 
     def run(plan: plans.Plan):
         return ext.all_gather_scaled_matmul(
@@ -199,21 +199,19 @@ def _all_gather_scaled_matmul_kernel(
         )
 
     if group.size() == 1:
-        return run(plans.FIXED)
+        return plans.run_unplanned(run)
     # Row-wise and tensor-wise shards cannot meet in one gathered a: a_scale is compared too.
     bs_shapes = {f"bs[{i}]": b for i, b in enumerate(bs)}
     operands = {"a_shard": a_shard, "a_scale": a_scale, **bs_shapes}
     check_same_shapes(group_name, _AG, operands, gather_dim=dim, return_a=return_a, pieces=pieces)
     if a_shard.numel() == 0:
-        return run(plans.FIXED)
-    return run(
-        plans.decide(
-            scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype, a_layout), pieces, run
-        ).plan
-    )
+        return plans.run_unplanned(run)
+    call = scaled_gather_plan_call(a_shard, a_scale, bs, dim, group_name, out_dtype, a_layout)
+    return plans.run_planned(call, run, plans.decide(call, pieces, run))
 
 
-def _scaled_matmul_reduce_scatter_kernel(
+@plans.planned_run("scaled_matmul_reduce_scatter")
+def _scaled_matmul_reduce_scatter_planned(
     a, a_scale, b, b_scale, scatter_dim, reduce_op, group_name, out_dtype, pieces=0
 ):
     group = resolve_group(group_name, _RS)
@@ -230,19 +228,14 @@ def _scaled_matmul_reduce_scatter_kernel(
         )
 
     if group.size() == 1:
-        return run(plans.FIXED)
+        return plans.run_unplanned(run)
     product = scattered_shape(a.shape, b.shape[1], dim, group.size())
     operands = {"a @ b": a.new_empty((), dtype=out_dtype).expand(product), "a": a, "b": b}
     check_same_shapes(group_name, _RS, operands, scatter_dim=dim, reduce_op=reduce_op, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
-        return run(plans.FIXED)
+        return plans.run_unplanned(run)
     call = scaled_scatter_plan_call(a, a_scale, b, b_scale, dim, group_name, out_dtype, layouts)
-    return run(plans.decide(call, pieces, run).plan)
-
-
-for _device in ("CPU", "CUDA"):
-    library.impl("all_gather_scaled_matmul", _all_gather_scaled_matmul_kernel, _device)
-    library.impl("scaled_matmul_reduce_scatter", _scaled_matmul_reduce_scatter_kernel, _device)
+    return plans.run_planned(call, run, plans.decide(call, pieces, run))
 
 
 # ---- the fronts' fp8= option (quantization and its config: _fp8_operands.py) ----

@@ -31,18 +31,21 @@ import torch
 
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
-from fastmesh.ops import _dtensor, autocast, plans, traced_unfused
+from fastmesh.ops import _dtensor, plans, traced_unfused
+from fastmesh.ops._checks import check_is_tensor
 from fastmesh.ops._fused_common import (
-    as_matrix,
     check_matmul_operands,
     check_pieces,
     check_same_shapes,
     group_size,
+    is_plain,
+    plain_options,
     resolve_group,
 )
-from fastmesh.ops._library import library, qualified_name
+from fastmesh.ops._library import qualified_name
 
 _OP = "fastmesh::matmul_all_gather"
+_ALL_GATHER = torch.ops.fastmesh.matmul_all_gather.default
 
 
 def _check(a, b, pieces) -> None:
@@ -68,7 +71,8 @@ def plan_call(a, b, group_name: str) -> plans.Call:
     return plans.product_call(_OP, "product_all_gather", group, group_name, a, b.shape[1], a.dtype)
 
 
-def _matmul_all_gather_kernel(a, b, group_name, pieces=0):
+@plans.planned_run("matmul_all_gather")
+def _matmul_all_gather_planned(a, b, group_name, pieces=0):
     world = group_size(group_name, _OP)
     _check(a, b, pieces)
     ext = _cpp_lib.load()
@@ -77,16 +81,13 @@ def _matmul_all_gather_kernel(a, b, group_name, pieces=0):
         return ext.matmul_all_gather(a, b, group_name, plan.pieces, plan.split)
 
     if world == 1:
-        return run(plans.FIXED)
+        return plans.run_unplanned(run)
     product = a.new_empty(()).expand(list(a.shape[:-1]) + [b.shape[1]])
     check_same_shapes(group_name, _OP, {"a @ b": product, "a": a, "b": b}, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
-        return run(plans.FIXED)
-    return run(plans.decide(plan_call(a, b, group_name), pieces, run).plan)
-
-
-for _device in ("CPU", "CUDA"):
-    library.impl("matmul_all_gather", _matmul_all_gather_kernel, _device)
+        return plans.run_unplanned(run)
+    call = plan_call(a, b, group_name)
+    return plans.run_planned(call, run, plans.decide(call, pieces, run))
 
 
 @torch.library.register_fake(qualified_name("rank_columns"))
@@ -94,30 +95,7 @@ def _rank_columns_fake(t, group_name):
     return t.new_empty(list(t.shape[:-1]) + [t.shape[-1] // group_size(group_name, _OP)])
 
 
-@torch.library.impl(qualified_name("rank_columns"), "CompositeExplicitAutograd")
-def _rank_columns(t, group_name):
-    """This rank's block of ``t``'s columns. An op, not a slice: a slice would put the rank into the traced
-    backward, and ranks that share inductor's caches (one machine) would load each other's compiled graphs."""
-    group = resolve_group(group_name, _OP)
-    n = t.shape[-1] // group.size()
-    return t.narrow(-1, group.rank() * n, n).clone(memory_format=torch.contiguous_format)
-
-
-def _setup(ctx, inputs, output):
-    a, b, group_name, *_ = inputs  # pieces, when not defaulted (torch 2.11 leaves defaults out)
-    ctx.group_name = group_name
-    ctx.save_for_backward(a if b.requires_grad else None, b if a.requires_grad else None)
-
-
-def _backward(ctx, grad_out):
-    a, b = ctx.saved_tensors
-    mine = torch.ops.fastmesh.rank_columns(grad_out, ctx.group_name)  # this rank's columns of the gradient
-    grad_a = mine @ b.t() if ctx.needs_input_grad[0] else None
-    grad_b = as_matrix(a).t() @ as_matrix(mine) if ctx.needs_input_grad[1] else None
-    return (grad_a, grad_b) + (None,) * (len(ctx.needs_input_grad) - 2)
-
-
-torch.library.register_autograd(qualified_name("matmul_all_gather"), _backward, setup_context=_setup)
+# Kernels of rank_columns and autograd of matmul_all_gather: csrc/fused/kernels.cpp, csrc/fused/autograd.cpp.
 
 
 def matmul_all_gather(a: torch.Tensor, b: torch.Tensor, *, group=None, pieces: int | None = None) -> torch.Tensor:
@@ -148,13 +126,22 @@ def matmul_all_gather(a: torch.Tensor, b: torch.Tensor, *, group=None, pieces: i
         >>> # xdoctest: +SKIP("needs a process group")
         >>> logits = fastmesh.matmul_all_gather(h, w_out_shard.t(), group=mesh["tp"])   # [B, S, vocab]
     """
-    a, b = autocast.cast((a, b))
+    if is_plain(a) and is_plain(b) and plain_options(pieces=pieces):
+        name = _group_name_of(group)  # the steady state, as fastmesh.all_gather_matmul's
+        try:
+            return _ALL_GATHER(a, b, name, 0 if pieces is None else pieces)
+        except RuntimeError:
+            _check_front(a, b, 0 if pieces is None else pieces)
+            raise
+    pieces = 0 if pieces is None else pieces
+    _check_front(a, b, pieces)
     if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
         return _dtensor.matmul_all_gather(matmul_all_gather, a, b, group, pieces)
-    name = _group_name_of(group)
-    pieces = 0 if pieces is None else pieces
-    if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
-        group_size(name, _OP)
-        _check(a, b, pieces)
-    _cpp_lib.require()
-    return torch.ops.fastmesh.matmul_all_gather(a, b, name, pieces)
+    return _ALL_GATHER(a, b, _group_name_of(group), pieces)
+
+
+def _check_front(a, b, pieces) -> None:
+    """What the op's schema would refuse less clearly than these errors; the rest the op checks."""
+    check_is_tensor(a, _OP, "a")
+    check_is_tensor(b, _OP, "b")
+    check_pieces(pieces, _OP)

@@ -32,6 +32,7 @@ import torch
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, autocast, plans, traced_unfused
+from fastmesh.ops._checks import check_is_tensor
 from fastmesh.ops._fp8_operands import (
     check_config,
     check_fp8_contraction,
@@ -47,16 +48,20 @@ from fastmesh.ops._fused_common import (
     check_reduce_op,
     check_same_shapes,
     group_size,
+    is_plain,
+    plain_options,
     resolve_group,
     resolve_pieces,
 )
-from fastmesh.ops._library import library, qualified_name
+from fastmesh.ops._library import qualified_name
 
 if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
     from fastmesh.fp8.config import Float8Config
 
 _OP = "fastmesh::matmul_all_reduce"
 _SOP = "fastmesh::scaled_matmul_all_reduce"
+_FRONT = "fastmesh.matmul_all_reduce"
+_ALL_REDUCE = torch.ops.fastmesh.matmul_all_reduce.default
 
 
 def _check_matmul_all_reduce(a, b, reduce_op, pieces) -> None:
@@ -108,7 +113,8 @@ def scaled_plan_call(
     )
 
 
-def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
+@plans.planned_run("matmul_all_reduce")
+def _matmul_all_reduce_planned(a, b, reduce_op, group_name, pieces=0):
     world = group_size(group_name, _OP)
     _check_matmul_all_reduce(a, b, reduce_op, pieces)
     ext = _cpp_lib.load()
@@ -117,15 +123,17 @@ def _matmul_all_reduce_kernel(a, b, reduce_op, group_name, pieces=0):
         return ext.matmul_all_reduce(a, b, reduce_op, group_name, plan.pieces, plan.split)
 
     if world == 1:
-        return run(plans.FIXED)
+        return plans.run_unplanned(run)
     operands = {"a @ b": a.new_empty(()).expand(_product_shape(a, b)), "a": a, "b": b}
     check_same_shapes(group_name, _OP, operands, reduce_op=reduce_op, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
-        return run(plans.FIXED)
-    return run(plans.decide(plan_call(a, b, group_name), pieces, run).plan)
+        return plans.run_unplanned(run)
+    call = plan_call(a, b, group_name)
+    return plans.run_planned(call, run, plans.decide(call, pieces, run))
 
 
-def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, pieces=0):
+@plans.planned_run("scaled_matmul_all_reduce")
+def _scaled_matmul_all_reduce_planned(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, pieces=0):
     world = group_size(group_name, _SOP)
     layouts = _check_scaled(a, a_scale, b, b_scale, reduce_op, out_dtype, pieces)
     log_multiply(_SOP, a.dtype, b, layouts, out_dtype)
@@ -137,43 +145,24 @@ def _scaled_matmul_all_reduce_kernel(a, a_scale, b, b_scale, reduce_op, group_na
         )
 
     if world == 1:
-        return run(plans.FIXED)
+        return plans.run_unplanned(run)
     product = a.new_empty((), dtype=out_dtype).expand(_product_shape(a, b))
     check_same_shapes(group_name, _SOP, {"a @ b": product, "a": a, "b": b}, reduce_op=reduce_op, pieces=pieces)
     if a.numel() == 0 or b.numel() == 0:
-        return run(plans.FIXED)
-    return run(plans.decide(scaled_plan_call(a, a_scale, b, b_scale, group_name, out_dtype, layouts), pieces, run).plan)
-
-
-for _device in ("CPU", "CUDA"):
-    library.impl("matmul_all_reduce", _matmul_all_reduce_kernel, _device)
-    library.impl("scaled_matmul_all_reduce", _scaled_matmul_all_reduce_kernel, _device)
-
-
-def _setup(ctx, inputs, output):
-    a, b, reduce_op, group_name, *_ = inputs  # pieces, when not defaulted (torch 2.11 leaves defaults out)
-    ctx.avg = reduce_op == "avg"
-    ctx.group_name = group_name
-    ctx.save_for_backward(a if b.requires_grad else None, b if a.requires_grad else None)
+        return plans.run_unplanned(run)
+    call = scaled_plan_call(a, a_scale, b, b_scale, group_name, out_dtype, layouts)
+    return plans.run_planned(call, run, plans.decide(call, pieces, run))
 
 
 def _local_grads(ctx, grad_out, need_a: bool, need_b: bool):
-    """(grad a, grad b): the result is replicated, so its gradient is too, and each rank's operands get theirs
-    locally."""
+    """(grad a, grad b) of the FP8 front: the result is replicated, so its gradient is too, and each rank's operands
+    get theirs locally (the high-precision op's formula, csrc/fused/autograd.cpp)."""
     a, b = ctx.saved_tensors
     if ctx.avg:
         grad_out = grad_out / group_size(ctx.group_name, _OP)
     grad_a = grad_out @ b.t() if need_a else None
     grad_b = as_matrix(a).t() @ as_matrix(grad_out) if need_b else None
     return grad_a, grad_b
-
-
-def _backward(ctx, grad_out):
-    grads = _local_grads(ctx, grad_out, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-    return grads + (None,) * (len(ctx.needs_input_grad) - 2)
-
-
-torch.library.register_autograd(qualified_name("matmul_all_reduce"), _backward, setup_context=_setup)
 
 
 class _Float8MatmulAllReduce(torch.autograd.Function):
@@ -237,17 +226,33 @@ def matmul_all_reduce(
         >>> # xdoctest: +SKIP("needs a process group")
         >>> y = fastmesh.matmul_all_reduce(h_shard, w2_t_shard, group=mesh["tp"])   # [B, S, D] on every rank
     """
-    pieces = resolve_pieces(pieces, chunks, "fastmesh.matmul_all_reduce")
-    a, b = autocast.cast((a, b))
+    if chunks is not None:
+        pieces = resolve_pieces(pieces, chunks, _FRONT)
+    if fp8 is None and is_plain(a) and is_plain(b) and plain_options(pieces=pieces):
+        name = _group_name_of(group)  # the steady state, as fastmesh.all_gather_matmul's
+        try:
+            return _ALL_REDUCE(a, b, reduce_op, name, 0 if pieces is None else pieces)
+        except RuntimeError:
+            _check_front(a, b, reduce_op, 0 if pieces is None else pieces)
+            raise
+    pieces = 0 if pieces is None else pieces
+    _check_front(a, b, reduce_op, pieces)
     if _dtensor.is_dtensor(a) or _dtensor.is_dtensor(b):
         return _dtensor.matmul_all_reduce(matmul_all_reduce, a, b, group, reduce_op, pieces, fp8)
     name = _group_name_of(group)
-    pieces = 0 if pieces is None else pieces
-    if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
-        group_size(name, _OP)
-        _check_matmul_all_reduce(a, b, reduce_op, pieces)
-    _cpp_lib.require()
     if fp8 is not None:
-        config = check_config(fp8, "fastmesh.matmul_all_reduce", a.dtype)
+        a, b = autocast.cast((a, b))
+        if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
+            group_size(name, _OP)
+            _check_matmul_all_reduce(a, b, reduce_op, pieces)
+        config = check_config(fp8, _FRONT, a.dtype)
         return _Float8MatmulAllReduce.apply(config, name, reduce_op, pieces, a, b)
-    return torch.ops.fastmesh.matmul_all_reduce(a, b, reduce_op, name, pieces)
+    return _ALL_REDUCE(a, b, reduce_op, name, pieces)
+
+
+def _check_front(a, b, reduce_op, pieces) -> None:
+    """What the op's schema would refuse less clearly than these errors; the rest the op checks."""
+    check_is_tensor(a, _OP, "a")
+    check_is_tensor(b, _OP, "b")
+    check_reduce_op(reduce_op, _OP)
+    check_pieces(pieces, _OP)

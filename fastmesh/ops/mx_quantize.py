@@ -115,7 +115,14 @@ def _mx_quantize_native_fake(x, dtype, scale_rounding="floor", transpose=False):
     return data, scale, amax, x.new_empty(data_t_shape, dtype=dtype), x.new_empty(scale_t_shape, dtype=scale.dtype)
 
 
+# The op users reach: on CPU it runs csrc/cpu/mx_quantize.cpp's kernel directly (no Python); the body above serves
+# CUDA and tracing.
+_MX_QUANTIZE = torch.ops.fastmesh.mx_quantize.default
+
+
 def mx_quantize(x: torch.Tensor, dtype: torch.dtype, scale_rounding: str = "floor", transpose: bool = False):
     """The op on one tensor: ``(data, scale, amax, data_t, scale_t)``, the last two None without ``transpose``."""
-    data, scale, amax, data_t, scale_t = torch.ops.fastmesh.mx_quantize(x.detach(), dtype, scale_rounding, transpose)
-    return (data, scale, amax) + ((data_t, scale_t) if transpose else (None, None))
+    data, scale, amax, data_t, scale_t = _MX_QUANTIZE(
+        x.detach() if x.requires_grad else x, dtype, scale_rounding, transpose
+    )
+    return (data, scale, amax, data_t, scale_t) if transpose else (data, scale, amax, None, None)

@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from fastmesh import settings
 from fastmesh.version import __version__
 
 ENV_PATH = "FASTMESH_TUNE_CACHE"
@@ -27,8 +28,9 @@ FORMAT = 1
 
 
 def default_path() -> str:
-    if os.environ.get(ENV_PATH):
-        return os.environ[ENV_PATH]
+    given = settings.get(ENV_PATH)
+    if given:
+        return given
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "fastmesh", "plans.json")
 

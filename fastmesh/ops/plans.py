@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import statistics
 import threading
 import time
@@ -36,14 +35,13 @@ from collections.abc import Callable
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from fastmesh import _log
+from fastmesh import _cpp_lib, _log, settings
 from fastmesh.ops import _collectives, plan_model
 from fastmesh.ops.plan_cache import PlanCache, default_path
 
 logger = logging.getLogger("fastmesh.plans")
 
 ENV_MODE = "FASTMESH_TUNE"
-MODES = ("off", "model", "measure")
 SPLITS = ("rows", "columns", "none", "consumer_gemm")
 # A measured fused plan must beat the unfused one by this much: less is noise on a loaded machine.
 MEASURE_MARGIN = 0.01
@@ -52,10 +50,8 @@ MEASURE_SECONDS = 2.0  # what the timed rounds of one key should take in all, wh
 
 
 def mode() -> str:
-    value = os.environ.get(ENV_MODE, "model").strip().lower() or "model"
-    if value not in MODES:
-        raise ValueError(f"{ENV_MODE} must be one of {', '.join(MODES)}, got {os.environ[ENV_MODE]!r}")
-    return value
+    """``FASTMESH_TUNE`` (:mod:`fastmesh.settings`): "off", "model" or "measure"."""
+    return settings.get(ENV_MODE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +77,9 @@ class Decision:
     plan: Plan
     source: str  # "pieces=", "fixed", "model", "cache", "measured", or why nothing is planned
     figures: tuple = ()  # (label, milliseconds) per candidate: model estimates or measured times
+    # The plan holds for this call only (an override, a decision taken during CUDA-graph capture): the op's C++
+    # kernel asks again next time rather than remember it.
+    this_call_only: bool = False
 
     def describe(self) -> str:
         figures = ", ".join(f"{label} {ms:.3g} ms" for label, ms in self.figures)
@@ -340,7 +339,11 @@ _lock = threading.Lock()
 # (group name, key) -> the decision the group's ranks took, for this process. Per group: the ranks of two groups
 # of one size agree separately (a rank in both would skip the agreement the other group's ranks wait in).
 _agreed: dict[tuple[str, str], Decision] = {}
-_last: dict[str, tuple[str, Decision]] = {}  # op -> (key, decision) of its latest planned call
+_last: dict[str, tuple[str, Decision]] = {}  # op -> (key, decision) of its latest call planned in Python
+# Ids of the decisions the ops' C++ kernels remember (csrc/fused/planned.h), for last_decision: id -> (op, key,
+# decision), and (op, key, decision) -> id.
+_decision_ids: dict[int, tuple[str, str, Decision]] = {}
+_ids_of: dict[tuple[str, str, Decision], int] = {}
 _cache: PlanCache | None = None
 _override: Plan | None = None
 _LOG_KEY = "plan"  # log-once keys: (_LOG_KEY, key, decision)
@@ -360,12 +363,44 @@ def forget() -> None:
         _agreed.clear()
         _last.clear()
         _calls.clear()
+        _decision_ids.clear()
+        _ids_of.clear()
+    _forget_remembered()
     _log.forget(lambda said: isinstance(said, tuple) and said[0] == _LOG_KEY)
 
 
+def _forget_remembered() -> None:
+    """The ops' C++ kernels forget the plans they remember (each key asks the planner again)."""
+    if _cpp_lib.load_error() is None:
+        _cpp_lib.load().forget_plans()
+
+
 def last_decision(op: str) -> tuple[str, Decision] | None:
-    """(key, decision) of ``op``'s latest planned call in this process, or None."""
+    """(key, decision) of ``op``'s latest planned call in this process, or None: the call's own when the op's C++
+    kernel ran it with a remembered plan, else the latest the planner took."""
+    if _cpp_lib.load_error() is None and op.startswith("fastmesh::"):
+        remembered = _decision_ids.get(_cpp_lib.load().planned_decision(op.removeprefix("fastmesh::")))
+        if remembered is not None and remembered[0] == op:
+            return remembered[1:]
     return _last.get(op)
+
+
+def remembered(call: Call | None, decision: Decision) -> tuple[str, int, int] | None:
+    """What the op's C++ kernel remembers for the key of a call it ran with ``decision`` (``call``: the planner's
+    view, None where nothing was planned: a group of one, an empty operand): ``(split, pieces, decision id)``, or
+    None when the plan holds for this call only, runs in Python (the CUDA consumer GEMM), or every call must reach
+    the planner (the cross-rank check of every call, ``FASTMESH_SHAPE_CHECK=every``)."""
+    if decision.this_call_only or decision.plan.split == "consumer_gemm" or _cpp_lib.load().shape_check_every_call():
+        return None
+    if call is None:
+        return decision.plan.split, decision.plan.pieces, -1
+    entry = (call.op, call.key, decision)
+    with _lock:
+        decision_id = _ids_of.get(entry)
+        if decision_id is None:
+            decision_id = _ids_of[entry] = len(_decision_ids)
+            _decision_ids[decision_id] = entry
+    return decision.plan.split, decision.plan.pieces, decision_id
 
 
 @contextlib.contextmanager
@@ -374,10 +409,12 @@ def override(plan: Plan):
     to the other ranks: for tests and benchmarks that compare plans (every rank must enter the same block)."""
     global _override
     previous, _override = _override, plan
+    _forget_remembered()  # the kernels ask the planner, which overrides, from here on
     try:
         yield
     finally:
         _override = previous
+        _forget_remembered()
 
 
 def _capturing(device: torch.device) -> bool:
@@ -475,7 +512,7 @@ def decide(
     if pieces > 0:
         return _remember(call, Decision(Plan("rows", pieces), "pieces= given"), note)
     if _override is not None and _override in call.candidates:
-        return _remember(call, Decision(_override, "override"), note)
+        return _remember(call, Decision(_override, "override", this_call_only=True), note)
     tune = mode()
     if tune == "off":
         return _remember(call, Decision(FIXED, f"fixed rule, {ENV_MODE}=off"), note)
@@ -486,7 +523,7 @@ def decide(
         _last[call.op] = (key, agreed)
         return agreed
     if _capturing(call.device):  # no collective, no timing: the model's plan is the same on every rank
-        return _remember(call, _model(call), note)
+        return _remember(call, dataclasses.replace(_model(call), this_call_only=True), note)
     cached = _cached(call)
     local = _model(call) if cached is None else cached
     is_rank0 = _rank(call) == 0
@@ -511,6 +548,56 @@ def decide(
     with _lock:
         _agreed[call.group_name, key] = decision
     return _remember(call, decision, note)
+
+
+# op name ("all_gather_matmul") -> its planned run: the op's arguments in schema order -> (result, remembered(...)).
+_planned_runs: dict[str, Callable] = {}
+
+
+def planned_run(op_name: str):
+    """Registers the decorated function as ``op_name``'s planned run: what the op's C++ kernel calls on a key's
+    first call (:func:`run_first_call`). It checks the arguments, plans the call (:func:`decide`), runs it, and returns
+    the result with :func:`remembered`."""
+
+    def register(run: Callable) -> Callable:
+        _planned_runs[op_name] = run
+        return run
+
+    return register
+
+
+def run_planned(call: Call, run: Callable[[Plan], object], decision: Decision):
+    """A planned run's result: ``run(decision.plan)`` and what the op's C++ kernel remembers of it."""
+    return run(decision.plan), remembered(call, decision)
+
+
+def run_unplanned(run: Callable[[Plan], object]):
+    """A planned run's result where nothing is planned (a group of one, an empty operand): the fixed schedule."""
+    return run(FIXED), remembered(None, Decision(FIXED, "nothing to plan"))
+
+
+def run_first_call(op_name: str, args: tuple):
+    """The fused ops' C++ kernels' planner (``fastmesh._C.set_planner``): the planned run of ``op_name``."""
+    return _planned_runs[op_name](*args)
+
+
+def connect_kernels() -> None:
+    """Registers :func:`run_first_call` with the ops' C++ kernels; where the extension cannot be used, registers
+    kernels that raise its :class:`fastmesh.ExtensionError` instead (the ops' schemas and fake impls exist without
+    it)."""
+    error = _cpp_lib.load_error()
+    if error is None:
+        _cpp_lib.load().set_planner(run_first_call)
+        return
+
+    def unavailable(*args, **kwargs):
+        raise _cpp_lib.load_error()
+
+    from fastmesh.ops._library import library
+
+    for op_name in _planned_runs:
+        for device in ("CPU", "CUDA"):
+            library.impl(op_name, unavailable, device)
 
 
 def _rank(call: Call) -> int:

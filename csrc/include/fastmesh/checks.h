@@ -29,6 +29,18 @@ inline std::string torch_dtype_name(at::ScalarType dtype) {
       return "torch.int32";
     case at::kLong:
       return "torch.int64";
+    case at::kComplexHalf:
+      return "torch.complex32";
+    case at::kComplexFloat:
+      return "torch.complex64";
+    case at::kComplexDouble:
+      return "torch.complex128";
+    case at::kByte:
+      return "torch.uint8";
+    case at::kChar:
+      return "torch.int8";
+    case at::kShort:
+      return "torch.int16";
     default: {
       std::string name = c10::toString(dtype);
       for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));

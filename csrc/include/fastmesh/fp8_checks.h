@@ -29,7 +29,8 @@ inline void check_granularity_dims(const at::Tensor& x, Granularity granularity,
 inline void check_group_tensor(const std::optional<at::Tensor>& given, const char* arg, const at::Tensor& x,
                                c10::string_view granularity, at::IntArrayRef layout, const char* op) {
   if (!given.has_value()) return;
-  TORCH_CHECK_TYPE(given->scalar_type() == at::kFloat, op, ": ", arg, " must be float32, got ", given->scalar_type());
+  TORCH_CHECK_TYPE(given->scalar_type() == at::kFloat, op, ": ", arg, " must be float32, got ",
+                   torch_dtype_name(given->scalar_type()));
   TORCH_CHECK_VALUE(given->device() == x.device(), op, ": ", arg, " must be on x's device ", x.device(), ", got ",
                     given->device());
   TORCH_CHECK_VALUE(given->sizes() == layout, op, ": ", arg, " must have shape ", layout, " for granularity '",
@@ -46,7 +47,7 @@ struct QuantizeCall {
 
 inline QuantizeCall check_quantize_args(const at::Tensor& x, at::ScalarType dtype, c10::string_view granularity,
                                         const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& amax,
-                                        bool transpose, const char* op) {
+                                        bool transpose, bool power_of_two, const char* op) {
   check_tensor(x, op, "x", kFloatInputs);
   QuantizeCall call{parse_fp8_format(dtype), parse_granularity(granularity), {}, false};
   check_granularity_dims(x, call.granularity, granularity, op);
@@ -56,6 +57,8 @@ inline QuantizeCall check_quantize_args(const at::Tensor& x, at::ScalarType dtyp
   call.layout = scale_sizes(call.granularity, x.sizes());
   check_group_tensor(scale, "scale", x, granularity, call.layout, op);
   check_group_tensor(amax, "amax", x, granularity, call.layout, op);
+  TORCH_CHECK_VALUE(!(scale.has_value() && power_of_two), op,
+                    ": power_of_two applies to computed scales; with scale= the given scale is used as is");
   call.given = scale.has_value() || amax.has_value();
   if (transpose) {
     TORCH_CHECK_VALUE(x.dim() >= 2, op, ": transpose=True needs x with at least 2 dims, got shape ", x.sizes());

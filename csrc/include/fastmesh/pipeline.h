@@ -49,6 +49,11 @@ inline bool parse_split(const std::string& name, Split* out) {
   return true;
 }
 
+// parse_split's inverse.
+inline const char* split_name(Split split) {
+  return split == Split::kRows ? "rows" : split == Split::kColumns ? "columns" : "none";
+}
+
 struct Piece {
   int64_t unit_begin;  // first unit of the piece
   int64_t unit_end;    // one past its last unit
