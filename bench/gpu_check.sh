@@ -21,6 +21,8 @@
 #   fp8-triton   bench/gpu_check_fp8.py --impl triton --skip-bench (the Triton kernels, the same checks)
 #   all-reduce   bench/gpu_check_matmul_all_reduce.py (matmul_all_reduce and its FP8 form on CUDA tensors,
 #                2 ranks: NCCL with two GPUs, gloo on one; bit-exact against mm + all_reduce, autograd, fp8=)
+#   graphs       bench/gpu_check_graphs.py (every fused op and cast captured in a CUDA graph and replayed, against
+#                eager calls; a cold key captured: the model's plan, said in the log)
 #   tests        pytest, one run per file, of the test files with CUDA cases (the block-scaled ops through
 #                torch._scaled_mm on SM90, the consumer GEMM's waits, the fused all-gather's loopback path,
 #                the MX and FP8 Triton kernels compiled for the GPU, the transfers' timeouts on the GPU
@@ -90,6 +92,7 @@ step fp8-triton $((CHECK_SECONDS + 120)) "$PY" bench/gpu_check_fp8.py --impl tri
   --check-seconds "$CHECK_SECONDS" & pids+=($!)
 step all-reduce 180 "$PY" bench/gpu_check_matmul_all_reduce.py $QUICK_FLAG --json "$OUT_DIR/matmul_all_reduce.json" \
   & pids+=($!)
+step graphs 120 "$PY" bench/gpu_check_graphs.py --json "$OUT_DIR/graphs.json" & pids+=($!)
 step tests 300 bash -c 'run_test_files "$@"' run_test_files tests/test_chunked_matmul.py tests/test_chunked_gather.py \
   tests/test_fp8_triton.py tests/test_mx.py tests/test_mx_triton.py tests/test_matmul_all_reduce.py \
   tests/test_matmul_all_gather.py \

@@ -43,7 +43,6 @@ CALLS = 200  # calls per contender per round: a round of ~5-50 ms, far above the
 QUICK_CALLS = 50
 E4M3 = torch.float8_e4m3fn
 FP8_FORMS = ("tensorwise", "rowwise", "mx", "block1x128")
-QUANTIZE_GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128", "mx")
 
 
 @dataclasses.dataclass
@@ -371,25 +370,122 @@ def _quantize_case(granularity: str) -> _Contenders:
     )
 
 
-_OPS = {
-    "all_gather_matmul [8, 64] x [64, 64]": _gather_case,
-    "matmul_reduce_scatter [16, 64] x [64, 64]": _scatter_case,
-    "matmul_all_reduce [8, 64] x [64, 64]": _all_reduce_case,
-    "matmul_all_gather [8, 64] x [64, 32]": _product_gather_case,
-}
-_FP8_OPS = {"all_gather_matmul": "ag", "matmul_reduce_scatter": "rs", "matmul_all_reduce": "ar"}
+def _high_precision(label, make):
+    """An op's cases: forward, and forward and backward (float32)."""
+
+    def cases(group, name):
+        yield f"{label} fwd", "float32", lambda: make(group, name, False)
+        yield f"{label} fwd+bwd", "float32", lambda: make(group, name, True)
+
+    return cases
 
 
-def _cases(group, name):
-    """(label, dtype, make contenders) for every case."""
-    for label, make in _OPS.items():
-        yield f"{label} fwd", "float32", lambda make=make: make(group, name, False)
-        yield f"{label} fwd+bwd", "float32", lambda make=make: make(group, name, True)
-    for op, code in _FP8_OPS.items():
+def _fp8(op, code):
+    """An FP8 form's cases: the front's forward with each fp8= granularity."""
+
+    def cases(group, name):
         for granularity in FP8_FORMS:
-            yield f"{op} fp8 {granularity} fwd", "float8", lambda c=code, g=granularity: _fp8_case(group, name, c, g)
-    for granularity in QUANTIZE_GRANULARITIES:
-        yield f"quantize {granularity} [128, 128]", "float8", lambda g=granularity: _quantize_case(g)
+            yield f"{op} fp8 {granularity} fwd", "float8", lambda g=granularity: _fp8_case(group, name, code, g)
+
+    return cases
+
+
+def _casts(granularities):
+    def cases(group, name):
+        for granularity in granularities:
+            yield f"quantize {granularity} [128, 128]", "float8", lambda g=granularity: _quantize_case(g)
+
+    return cases
+
+
+# By op (its spec's host_bench, fastmesh/ops/_library.py): the cases that time its front.
+CASES = {
+    "all_gather_matmul": _high_precision("all_gather_matmul [8, 64] x [64, 64]", _gather_case),
+    "matmul_reduce_scatter": _high_precision("matmul_reduce_scatter [16, 64] x [64, 64]", _scatter_case),
+    "matmul_all_reduce": _high_precision("matmul_all_reduce [8, 64] x [64, 64]", _all_reduce_case),
+    "matmul_all_gather": _high_precision("matmul_all_gather [8, 64] x [64, 32]", _product_gather_case),
+    "all_gather_scaled_matmul": _fp8("all_gather_matmul", "ag"),
+    "scaled_matmul_reduce_scatter": _fp8("matmul_reduce_scatter", "rs"),
+    "scaled_matmul_all_reduce": _fp8("matmul_all_reduce", "ar"),
+    "fp8_quantize": _casts(("tensorwise", "rowwise", "block1x128", "block128x128")),
+    "mx_quantize": _casts(("mx",)),
+}
+
+
+def _cases(group, name, quick: bool):
+    """(label, dtype, make contenders) for every case; without ``quick`` also the compiled block (its three
+    compilations take a minute or two)."""
+    for cases in CASES.values():
+        yield from cases(group, name)
+    if not quick:
+        yield "compiled SP MLP [16, 64] fwd+bwd", "float32", lambda: _compiled_block_case(group, name)
+
+
+def _compiled_block_case(group, name) -> _Contenders:
+    """A sequence-parallel MLP ([16, 64] tokens, 64 -> 128 -> 64, no biases) under torch's native plan, compiled
+    (inductor, fullgraph), forward and backward: with fastmesh's fusion pass (its 4 collectives fused; the fixed
+    rule, FASTMESH_TUNE=off: at these sizes the model would trace them unfused, as torch's own) against without it;
+    the bound: the unsharded MLP compiled, which has no collective at all."""
+    import copy
+    import os
+
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fastmesh.compile
+    from fastmesh import settings
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(64, 128, bias=False), torch.nn.GELU(), torch.nn.Linear(128, 64, bias=False)
+    )
+    mesh = init_device_mesh("cpu", (WORLD,))
+    plan = {"0": ColwiseParallel(input_layouts=Shard(0)), "2": RowwiseParallel(output_layouts=Shard(0))}
+    x = _random((16 // WORLD, 64), 12, requires_grad=True)
+    unsharded_x = _random((16, 64), 12, requires_grad=True)
+
+    # Three functions, so three code objects: dynamo caches a graph per code object, and these three modules would
+    # otherwise share one (their parameters are the graph's inputs), whatever the pass did to it.
+    def native_forward(model, inputs):
+        return model(inputs)
+
+    def fused_forward(model, inputs):
+        return model(inputs)
+
+    def unsharded_forward(model, inputs):
+        return model(inputs)
+
+    def step(forward, model, inputs):
+        compiled = torch.compile(forward, fullgraph=True)
+        run = _forward_and_backward(lambda: compiled(model, inputs), [inputs, *model.parameters()])
+        run()  # compiled now, with the pass or not
+        return run
+
+    torch._dynamo.reset()
+    native = step(native_forward, parallelize_module(copy.deepcopy(mlp), mesh, plan), x)
+    saved = os.environ.get("FASTMESH_TUNE")
+    os.environ["FASTMESH_TUNE"] = "off"
+    settings.reload()
+    fastmesh.compile.enable_fusion(strict=True)
+    fastmesh.compile.fusion_report(reset=True)
+    try:
+        # Inductor's caches would serve the native graphs (a cached graph does not run the pass).
+        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            fused = step(fused_forward, parallelize_module(copy.deepcopy(mlp), mesh, plan), x)
+    finally:
+        fastmesh.compile.disable_fusion()
+        if saved is None:
+            os.environ.pop("FASTMESH_TUNE")
+        else:
+            os.environ["FASTMESH_TUNE"] = saved
+        settings.reload()
+    fusions = fastmesh.compile.fusion_report()
+    if len(fusions.fused) != 4:
+        raise RuntimeError(f"host: the compiled block fused {len(fusions.fused)} collectives, not 4: {fusions}")
+    return _Contenders(fused, native, step(unsharded_forward, copy.deepcopy(mlp), unsharded_x))
 
 
 def _check(contenders: _Contenders, label: str) -> None:
@@ -445,7 +541,7 @@ def run(ctx: Context) -> None:
     try:
         group = dist.group.WORLD
         name = fastmesh.group_name(group)
-        cases = list(_cases(group, name))
+        cases = list(_cases(group, name, ctx.quick))
         ctx.expect(len(cases))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch 2.14 deprecates c10d's *_into_tensor names

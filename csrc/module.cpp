@@ -194,6 +194,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shape_check_every_call", &fastmesh::fused::checks_every_call,
         "Whether the cross-rank shape check runs on every call (FASTMESH_SHAPE_CHECK=every).");
   m.def(
+      "planned_op_names",
+      [] {
+        std::vector<std::string> names;
+        for (int i = 0; i < static_cast<int>(fastmesh::fused::PlannedOp::kCount); ++i) {
+          names.emplace_back(fastmesh::fused::planned_op_name(static_cast<fastmesh::fused::PlannedOp>(i)));
+        }
+        return names;
+      },
+      "The ops whose C++ kernels remember plans (fused/planned.h), by name: the specs' planned ops.");
+  m.def(
       "planned_decision",
       [](const std::string& op) { return fastmesh::fused::planned_decision(fastmesh::fused::planned_op_named(op)); },
       "The planner's id of the latest decision a call of the fused op `op` (\"all_gather_matmul\" ...) took; -1: none.",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,7 @@ SETTINGS = {
 
 _lock = threading.Lock()
 _values: dict[str, object] | None = None  # name -> value, or the ValueError its raw value gives
+_reloaders: list[Callable[[], None]] = []  # what else reads again when the settings are reloaded (the C++ side)
 
 
 def _read() -> dict[str, object]:
@@ -89,14 +91,15 @@ def problems() -> list[str]:
 
 
 def reload() -> None:
-    """Reads every setting from the environment again, the C++ side's too, and makes the fused ops plan their next
-    calls anew (a plan depends on the settings)."""
+    """Reads every setting from the environment again, and runs what :func:`on_reload` registered: the C++ side
+    reads its settings again and the fused ops plan their next calls anew (a plan depends on the settings)."""
     global _values
     with _lock:
         _values = _read()
-    from fastmesh import _cpp_lib  # a utility like this one; imported here: it imports torch's extension machinery
+    for reloader in _reloaders:
+        reloader()
 
-    if _cpp_lib.load_error() is None:
-        ext = _cpp_lib.load()
-        ext.reload_settings()
-        ext.forget_plans()
+
+def on_reload(reloader: Callable[[], None]) -> None:
+    """Runs ``reloader()`` after every :func:`reload` (the ops register the C++ side's)."""
+    _reloaders.append(reloader)

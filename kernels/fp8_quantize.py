@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from fastmesh.kernels.formats import BLOCK, FP8_MAX, GRANULARITIES, scale_shape
 
 from fastmesh._log import log_once
 
@@ -34,9 +35,6 @@ logger = logging.getLogger("fastmesh.kernels.fp8_quantize")
 
 __all__ = ["FP8_MAX", "GRANULARITIES", "Quantized", "amax", "quantize", "scale_shape"]
 
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128")
-BLOCK = 128
 
 # Compile-time codes of the kernels' constexpr switches.
 _TENSORWISE, _ROWWISE, _BLOCK1X128, _BLOCK128X128 = range(4)
@@ -373,21 +371,6 @@ def _rows_cols(shape: torch.Size) -> tuple[int, int]:
     if len(shape) == 0:
         return 1, 1
     return math.prod(shape[:-1]), shape[-1]
-
-
-def scale_shape(shape: torch.Size | tuple[int, ...], granularity: str) -> tuple[int, ...]:
-    """Shape of the scale (and amax) of an ``x`` of ``shape``: the layouts ``torch._scaled_mm`` takes."""
-    shape = tuple(shape)
-    last = shape[-1] if shape else 1
-    if granularity == "tensorwise":
-        return ()
-    if granularity == "rowwise":
-        return shape[:-1] + (1,)
-    if granularity == "block1x128":
-        return shape[:-1] + (_cdiv(last, BLOCK),)
-    if granularity == "block128x128":
-        return (_cdiv(math.prod(shape[:-1]), BLOCK), _cdiv(last, BLOCK))
-    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
 def _row_blocks(k: int) -> tuple[int, int]:

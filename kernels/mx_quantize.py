@@ -13,9 +13,10 @@ Without ``transpose`` the blocks are consecutive runs of 32 elements of the flat
 between the load, the block max and the store). With ``transpose`` one program per ``[BLOCK_M, BLOCK_K]`` tile
 (both multiples of 32) reads x once and writes data, scale and amax, data_t (through ``tl.trans``) and scale_t.
 Shapes: those of the op (``fastmesh/ops/mx_quantize.py``): data x's shape, scale (E8M0) and amax (fp32)
-``[..., K/32]``, data_t ``[K, M]``, scale_t ``[K, M/32]``. :func:`quantize` checks its arguments as the op does
-(TypeError / ValueError) and takes ``wrap``, applied to the kernel before its launch (the op passes
-``torch.library.wrap_triton``; tests under ``TRITON_INTERPRET=1`` pass nothing).
+``[..., K/32]``, data_t ``[K, M]``, scale_t ``[K, M/32]`` (``formats.mx_shapes``). :func:`quantize` takes the
+op's arguments, which the op checks first (as the FP8 cast kernels' ``quantize`` does), and ``wrap``, applied to the
+kernel before its launch (the op passes ``torch.library.wrap_triton``; tests under ``TRITON_INTERPRET=1`` pass
+nothing).
 """
 
 from __future__ import annotations
@@ -26,14 +27,11 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from fastmesh.kernels.formats import MX_BLOCK, mx_shapes
 from fastmesh.kernels.fp8_quantize import FP8_MAX, Quantized, _cast, _cdiv, _launcher, _load, _program_tile
-
-from fastmesh.ops._checks import MX_BLOCK
-from fastmesh.ops.mx_quantize import _shapes, check_mx_args
 
 __all__ = ["quantize"]
 
-_OP = "fastmesh.kernels.mx_quantize"
 # fp8_emax of mx_math.h: the exponent of the format's largest power of two (448 = 1.75 * 2^8).
 _EMAX = {dtype: math.frexp(fp8_max)[1] - 1 for dtype, fp8_max in FP8_MAX.items()}
 # Work per program, from `bench/gpu_check_fp8.py --impl triton --sweep` on an H200 (2026-12-04, 8192 x 8192 bf16,
@@ -219,10 +217,9 @@ def quantize(
         (``torch.float8_e8m0fnu``) and amax (float32) ``[..., K/32]``; data_t ``[K, M]`` and scale_t
         ``[K, M/32]`` with ``transpose``, else None.
     """
-    check_mx_args(x, dtype, scale_rounding, transpose, op=_OP)
     x = x.contiguous()
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
-    scale_shape, data_t_shape, scale_t_shape = _shapes(x)
+    scale_shape, data_t_shape, scale_t_shape = mx_shapes(x.shape)
     device = x.device
     data = torch.empty(x.shape, dtype=dtype, device=device)
     # E8M0 written as its bytes: the kernel (and the interpreter) see a uint8 view.

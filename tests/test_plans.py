@@ -472,3 +472,47 @@ def test_inductor_traces_unfused_plans_as_torchs_collectives():
             assert all(d is not None and d[1].plan == cached for d in ran.values()), ran
     torch._dynamo.reset()
     plans.forget()
+
+
+# ---- CUDA-graph capture (the branch, on CPU: the capture is simulated) ----
+
+
+@on_ranks(2)
+def test_a_call_planned_during_capture_takes_the_models_plan_for_that_call_only():
+    """Inside a capture nothing may talk to the other ranks: a key planned there takes the cost model's plan, says
+    so, and is not remembered (each captured call plans again, without collectives); once out of the capture the key
+    is agreed as usual and remembered. The every-call shape check is a collective: inside a capture it is an error
+    that says so, not a hang."""
+    from log_capture import plan_log
+
+    group = dist.new_group([0, 1])  # keys of their own
+    a, b = small_ints((6, 10), torch.float32, 1), small_ints((10, 4), torch.float32, 2)
+    runs = []
+    planned = plans._planned_runs["matmul_all_reduce"]
+    plans._planned_runs["matmul_all_reduce"] = lambda *args: runs.append(args) or planned(*args)
+    try:
+        captured, plans.capturing = plans.capturing, lambda device: True
+        try:
+            with plan_log() as messages:
+                for _ in range(2):
+                    out = fastmesh.matmul_all_reduce(a, b, group=group)
+                    torch.testing.assert_close(out, a @ b * 2, rtol=0, atol=0)
+            assert len(runs) == 2, "a decision taken during capture is not remembered"
+            _, decision = plans.last_decision("fastmesh::matmul_all_reduce")
+            assert decision.source == "model" and decision.this_call_only, decision
+            assert len(messages) == 1 and messages[0].endswith(plans.CAPTURE_NOTE), messages
+            with (
+                environment(FASTMESH_SHAPE_CHECK="every"),
+                pytest.raises(RuntimeError, match=r"cannot run inside a CUDA-graph capture"),
+            ):
+                fastmesh.matmul_all_reduce(a, b, group=group)
+        finally:
+            plans.capturing = captured
+        runs.clear()
+        for _ in range(3):
+            torch.testing.assert_close(fastmesh.matmul_all_reduce(a, b, group=group), a @ b * 2, rtol=0, atol=0)
+        assert len(runs) == 1, "out of the capture, the key is planned once and remembered"
+        _, decision = plans.last_decision("fastmesh::matmul_all_reduce")
+        assert not decision.this_call_only, decision
+    finally:
+        plans._planned_runs["matmul_all_reduce"] = planned

@@ -1,7 +1,6 @@
-// The fused collectives' C++ implementations (and their local scaled multiply). They are not registered with the
-// dispatcher themselves:
-// the ops' kernels (fastmesh/ops/fused_collectives*.py) pick a plan per call (fastmesh/ops/plans.py) and
-// call these through fastmesh._C (csrc/module.cpp), or, on CUDA, the Triton consumer GEMM.
+// The fused collectives' C++ schedules (and their local scaled multiply), each with its argument checks. The ops'
+// dispatcher kernels (kernels.cpp) call them with a key's remembered plan; a key's first call, planned in Python
+// (fastmesh/ops/plans.py), calls them through fastmesh._C (csrc/module.cpp), or, on CUDA, the Triton consumer GEMM.
 //
 // `pieces` is the pipeline's piece count (0: chosen from the sizes) and `split` what a piece cuts
 // ("rows", "columns" for the reduce-scatters, "none" for no pieces: the unfused sequence; pipeline.h).

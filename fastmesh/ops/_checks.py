@@ -6,21 +6,22 @@ wrong value, shape or device.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from fastmesh.kernels.formats import (  # noqa: F401  (the formats the ops check against, re-exported)
+    BLOCK,
+    FP8_DTYPES,
+    FP8_MAX,
+    GRANULARITIES,
+    MX,
+    MX_BLOCK,
+    SCALE_ROUNDINGS,
+    scale_shape,
+)
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # what fp8 quantize casts from
 MATMUL_DTYPES = (*FLOAT_INPUTS, torch.float64)  # the high-precision fused ops' operands
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # the largest finite value of each
 REDUCE_OPS = ("sum", "avg")
-GRANULARITIES = ("tensorwise", "rowwise", "block1x128", "block128x128")
-BLOCK = 128
-# MXFP8 (fastmesh/ops/mx_quantize.py): blocks of MX_BLOCK along the last dim, E8M0 scales, rounded per SCALE_ROUNDINGS.
-MX = "mx"
-MX_BLOCK = 32
-SCALE_ROUNDINGS = ("floor", "rceil")
 # Fewest dims of x each granularity is defined for.
 _MIN_DIMS = {"tensorwise": 0, "rowwise": 1, "block1x128": 1, "block128x128": 2}
 
@@ -87,18 +88,6 @@ def check_granularity(granularity: str, x: torch.Tensor, op: str) -> None:
             f"{op}: granularity {granularity!r} needs x with at least {_MIN_DIMS[granularity]} dim(s), "
             f"got shape {list(x.shape)}"
         )
-
-
-def scale_shape(shape: torch.Size | tuple[int, ...], granularity: str) -> tuple[int, ...]:
-    """Shape of the scale (and amax) of an x of ``shape``: the layouts ``torch._scaled_mm`` takes."""
-    shape = tuple(shape)
-    if granularity == "tensorwise":
-        return ()
-    if granularity == "rowwise":
-        return shape[:-1] + (1,)
-    if granularity == "block1x128":
-        return shape[:-1] + (math.ceil(shape[-1] / BLOCK),)
-    return (math.ceil(math.prod(shape[:-1]) / BLOCK), math.ceil(shape[-1] / BLOCK))
 
 
 def check_per_group_tensor(t: torch.Tensor, arg: str, x: torch.Tensor, granularity: str, op: str) -> None:

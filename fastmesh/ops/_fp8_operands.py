@@ -27,18 +27,15 @@ Here:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from fastmesh import _cpp_lib
 from fastmesh._log import log_once
 from fastmesh.ops._checks import FLOAT_INPUTS, FP8_DTYPES, MX, MX_BLOCK, check_tensor
+from fastmesh.ops.fp8_config import Float8Config
 from fastmesh.ops.fp8_quantize import fp8_quantize
 from fastmesh.ops.mx_quantize import mx_quantize
-
-if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
-    from fastmesh.fp8.config import Float8Config
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +173,6 @@ def log_multiply(op: str, a_dtype, b: torch.Tensor, layouts: tuple[str, str], ou
 def check_config(config, op: str, dtype: torch.dtype | None = None) -> Float8Config:
     """``fp8=``: a ``Float8Config`` of current scaling, granularity one of ``GRANULARITIES``; ``dtype`` (the
     operands', where known) one FP8 casts from."""
-    from fastmesh.fp8.config import Float8Config
-
     if not isinstance(config, Float8Config):
         raise TypeError(f"{op}: fp8 must be a fastmesh.fp8.Float8Config, got {type(config).__name__}")
     if config.granularity not in GRANULARITIES:

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fastmesh import _cpp_lib
+from fastmesh.ops import plans
 from fastmesh.ops._checks import MATMUL_DTYPES, REDUCE_OPS, check_is_tensor, check_tensor
 
 
@@ -51,6 +52,13 @@ def check_same_shapes(group_name: str, op: str, tensors: dict[str, torch.Tensor]
     differ must all fail here, not in the planner or the pipeline. Every operand is checked, not only what
     travels: the ranks agree on a plan once per shape, so operands that differ across ranks (a contraction split
     unevenly) would leave one rank waiting for an agreement the others think they have."""
+    device = next(iter(tensors.values())).device
+    if plans.capturing(device) and _cpp_lib.load().shape_check_every_call():
+        raise RuntimeError(
+            f"{op}: the cross-rank shape check of every call (FASTMESH_SHAPE_CHECK=every or "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL) cannot run inside a CUDA-graph capture: it is a collective that syncs "
+            "the host. Capture without it (the first call of each op on a group is checked on CPU groups only)"
+        )
     named_values = [(name, repr(value)) for name, value in options.items()]
     _cpp_lib.load().check_same_shapes_on_all_ranks(list(tensors.values()), list(tensors), named_values, group_name, op)
 

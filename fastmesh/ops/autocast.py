@@ -4,22 +4,21 @@ torch's matmuls are on autocast's lower-precision list: in an autocast region th
 excepted) are cast to the region's dtype (``torch.get_autocast_dtype(device)``), so their outputs have it. fastmesh
 follows the same rule in two places, sharing :func:`cast`:
 
-* the ops that take high-precision operands (``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce``,
-  ``matmul_all_gather``) get an Autocast kernel per device type, which casts and runs the op with autocast off
-  (what ``torch.library.register_autocast`` does, with the region's dtype rather than one fixed when registering);
-  the FP8 ops take FP8 data and an ``out_dtype`` and are left alone;
-* the Python fronts cast their operands first (their checks see the cast tensors, and the FP8 forms' autograd
-  Functions save and quantize them), and the TP styles cast a bias before adding it, as ``F.linear`` does.
+* the ops that take high-precision operands (their spec's ``autocast``: ``all_gather_matmul``,
+  ``matmul_reduce_scatter``, ``matmul_all_reduce``, ``matmul_all_gather``) get an Autocast kernel per device type,
+  which casts and runs the op with autocast off (what ``torch.library.register_autocast`` does, with the region's
+  dtype rather than one fixed when registering); the FP8 ops take FP8 data and an ``out_dtype`` and are left alone;
+* the Python fronts' FP8 paths cast their operands first (the FP8 forms' autograd Functions save and quantize them),
+  and the TP styles cast a bias before adding it, as ``F.linear`` does. (A front's high-precision path passes its
+  operands to the op as they are: the op's Autocast kernel casts them.)
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastmesh.ops._library import library, qualified_name
+from fastmesh.ops._library import SPECS, library
 
-# The ops whose operands are high-precision matrices (the others take FP8 data and scales, or no matmul operand).
-_MATMUL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_gather")
 # The device types whose autocast regions the ops follow, found once: dynamo (torch 2.11) cannot trace the check,
 # and cast() runs inside compiled fronts.
 _AUTOCAST_DEVICE_TYPES = tuple(d for d in ("cpu", "cuda", "xpu") if torch.amp.is_autocast_available(d))
@@ -34,9 +33,19 @@ def _cast_to(value, device_type: str, dtype: torch.dtype):
     return value
 
 
+def any_region() -> bool:
+    """Whether an autocast region is open for any of the device types the ops follow."""
+    for device_type in _AUTOCAST_DEVICE_TYPES:  # noqa: SIM110  (a loop: no generator on every front call)
+        if torch.is_autocast_enabled(device_type):
+            return True
+    return False
+
+
 def cast(value):
     """``value`` (a tensor, or a list / tuple of them) as an autocast region casts a matmul's inputs; unchanged
     outside one. A tensor's own device type says which region applies (none for other devices, meta included)."""
+    if not any_region():  # the common case, without looking at the tensors
+        return value
     tensors = [value] if isinstance(value, torch.Tensor) else [t for t in value if isinstance(t, torch.Tensor)]
     for device_type in {t.device.type for t in tensors}:
         if device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
@@ -60,7 +69,7 @@ def _register(op_name: str, device_type: str) -> None:
     library.impl(op_name, lambda _keys, *args, **kwargs: run(*args, **kwargs), key, with_keyset=True)
 
 
-for _op_name in _MATMUL_OPS:
-    qualified_name(_op_name)  # a typo fails at import
-    for _device_type in _AUTOCAST_DEVICE_TYPES:
-        _register(_op_name, _device_type)
+for _spec in SPECS:  # the ops whose operands are high-precision matrices
+    if _spec.autocast:
+        for _device_type in _AUTOCAST_DEVICE_TYPES:
+            _register(_spec.name, _device_type)

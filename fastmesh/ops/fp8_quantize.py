@@ -49,7 +49,7 @@ from fastmesh.ops._checks import (
     scale_shape,
 )
 from fastmesh.ops._fused_common import as_matrix
-from fastmesh.ops._library import qualified_name, signature
+from fastmesh.ops._library import below_autograd, qualified_name, signature
 from fastmesh.ops.amax import amax as group_amax
 from fastmesh.ops.mx_quantize import mx_quantize
 
@@ -141,11 +141,6 @@ def check_quantize_args(
             )
 
 
-def cuda_implementation() -> str:
-    """Which CUDA implementation runs: ``FASTMESH_FP8_CUDA_IMPL`` (``triton`` by default, or ``cuda``)."""
-    return settings.get("FASTMESH_FP8_CUDA_IMPL")
-
-
 def _log_path_once(path: str) -> None:
     log_once(logger, logging.INFO, ("fp8_quantize", path), "fastmesh.fp8 quantize runs the %s implementation", path)
 
@@ -162,7 +157,7 @@ def _fp8_quantize_body(
     check_quantize_args(x, dtype, granularity, scale, amax, transpose, power_of_two)
     # Kernels read x as a row-major [M, K] matrix; a strided x is copied once here.
     x = x.contiguous()
-    if x.device.type == "cuda" and cuda_implementation() == "triton":
+    if x.device.type == "cuda" and settings.get("FASTMESH_FP8_CUDA_IMPL") == "triton":
         from torch.library import wrap_triton
 
         from fastmesh.kernels import fp8_quantize as triton_kernels
@@ -215,9 +210,10 @@ def fp8_quantize(
     """The op on one tensor (no group): see the module docstring. Not differentiable.
 
     The op validates the arguments before any kernel runs, in eager and under tracing alike."""
-    data, scale_out, amax_out, data_t, scale_t = _QUANTIZE(
-        x.detach() if x.requires_grad else x, dtype, granularity, scale, amax, transpose, power_of_two
-    )
+    with below_autograd():
+        data, scale_out, amax_out, data_t, scale_t = _QUANTIZE(
+            x.detach() if x.requires_grad else x, dtype, granularity, scale, amax, transpose, power_of_two
+        )
     if not transpose:
         return Float8Quantized(data, scale_out, amax_out, None, None)
     return Float8Quantized(data, scale_out, amax_out, data_t, scale_t)

@@ -30,7 +30,6 @@ How a call runs (pieces, plans, CUDA paths): ``docs/plans.md`` and ``docs/design
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +37,7 @@ from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, autocast, chunked_gather, plans, traced_unfused
 from fastmesh.ops._checks import MATMUL_DTYPES, check_bool, check_int, check_is_tensor, check_tensor, wrap_dim
+from fastmesh.ops._collectives import traced_all_gather, traced_reduce_scatter
 from fastmesh.ops._fp8_operands import check_config
 from fastmesh.ops._fused_common import (
     any_requires_grad,
@@ -58,10 +58,8 @@ from fastmesh.ops._fused_common import (
     scattered_shape,
 )
 from fastmesh.ops._library import qualified_name
+from fastmesh.ops.fp8_config import Float8Config
 from fastmesh.ops.fused_collectives_fp8 import all_gather_matmul_fp8, check_rows_gathered, matmul_reduce_scatter_fp8
-
-if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
-    from fastmesh.fp8.config import Float8Config
 
 _AG = "fastmesh::all_gather_matmul"
 _RS = "fastmesh::matmul_reduce_scatter"
@@ -204,6 +202,23 @@ def _matmul_reduce_scatter_planned(a, b, scatter_dim, reduce_op, group_name, pie
     return plans.run_planned(call, run, plans.decide(call, pieces, run))
 
 
+@traced_unfused.trace("all_gather_matmul")
+def _all_gather_matmul_traced(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0):
+    dim = gather_dim % a_shard.dim()
+    if not traced_unfused.plans_unfused(lambda: gather_plan_call(a_shard, bs, dim, group_name), pieces, a_shard, *bs):
+        return NotImplemented
+    a = traced_all_gather(a_shard, dim, group_name)
+    return (a if return_a else None), [a @ b for b in bs]
+
+
+@traced_unfused.trace("matmul_reduce_scatter")
+def _matmul_reduce_scatter_traced(a, b, scatter_dim, reduce_op, group_name, pieces=0):
+    dim = scatter_dim % a.dim()
+    if not traced_unfused.plans_unfused(lambda: scatter_plan_call(a, b, dim, group_name), pieces, a, b):
+        return NotImplemented
+    return traced_reduce_scatter(a @ b, dim, group_name, reduce_op)
+
+
 # Autograd: csrc/fused/autograd.cpp (the formulas in the module docstring).
 
 
@@ -282,10 +297,12 @@ def all_gather_matmul(
     name = _group_name_of(group)
     if fp8 is not None:
         a_shard, bs = autocast.cast(a_shard), autocast.cast(list(bs))
-        if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
-            _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces, fp8=True)
         config = check_config(fp8, _AG_FRONT, a_shard.dtype)
-        return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, pieces, config)
+        try:
+            return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, pieces, config)
+        except (RuntimeError, TypeError, ValueError):  # said in the casts' or the FP8 op's words: these are clearer
+            _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces, fp8=True)
+            raise
     want_a = return_a or (torch.is_grad_enabled() and any_requires_grad(bs))
     a_full, outs = _AG_OP(a_shard, bs, gather_dim, name, want_a, pieces)
     return (a_full if return_a else None), outs
@@ -359,10 +376,12 @@ def matmul_reduce_scatter(
     name = _group_name_of(group)
     if fp8 is not None:
         a, b = autocast.cast((a, b))
-        if not torch.compiler.is_compiling():
-            _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), pieces)
         config = check_config(fp8, _RS_FRONT, a.dtype)
-        return matmul_reduce_scatter_fp8(a, b, scatter_dim, name, reduce_op, pieces, config)
+        try:
+            return matmul_reduce_scatter_fp8(a, b, scatter_dim, name, reduce_op, pieces, config)
+        except (RuntimeError, TypeError, ValueError):  # as all_gather_matmul's fp8 path
+            _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_size(name, _RS), pieces)
+            raise
     return _RS_OP(a, b, scatter_dim, reduce_op, name, pieces)
 
 

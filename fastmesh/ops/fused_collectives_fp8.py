@@ -34,7 +34,6 @@ high-precision ops. Design: ``docs/design/fp8.md``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -55,6 +54,7 @@ from fastmesh.ops._fp8_operands import (
     quantize_rows,
 )
 from fastmesh.ops._fused_common import (
+    any_requires_grad,
     as_matrix,
     check_pieces,
     check_reduce_op,
@@ -67,13 +67,13 @@ from fastmesh.ops._fused_common import (
     scattered_shape,
 )
 from fastmesh.ops._library import qualified_name
+from fastmesh.ops.fp8_config import Float8Config
 from fastmesh.ops.fp8_quantize import dequantize
-
-if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
-    from fastmesh.fp8.config import Float8Config
 
 _AG = "fastmesh::all_gather_scaled_matmul"
 _RS = "fastmesh::scaled_matmul_reduce_scatter"
+_SCALED_GATHER = torch.ops.fastmesh.all_gather_scaled_matmul.default
+_SCALED_SCATTER = torch.ops.fastmesh.scaled_matmul_reduce_scatter.default
 
 
 # ---- checks (the wording of csrc/fused/all_gather_scaled_matmul.cpp, scaled_matmul_reduce_scatter.cpp) ----
@@ -241,22 +241,22 @@ def _scaled_matmul_reduce_scatter_planned(
 # ---- the fronts' fp8= option (quantization and its config: _fp8_operands.py) ----
 
 
+def _gather_fp8(config, group_name, gather_dim, pieces, a_shard, bs, keep_a: bool):
+    """The FP8 forward of all_gather_matmul: a_shard and each b quantized, then the scaled op; (the gathered FP8 a
+    and its scales, or Nones without ``keep_a``; the products)."""
+    a_data, a_scale = quantize_rows(a_shard, config.dtype, config)
+    b_data, b_scales = [], []
+    for b in bs:
+        data, scale = quantize_columns(b, config.dtype, config)
+        b_data.append(data)
+        b_scales.append(scale)
+    return _SCALED_GATHER(a_data, a_scale, b_data, b_scales, gather_dim, group_name, a_shard.dtype, keep_a, pieces)
+
+
 class _Float8AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, group_name, gather_dim, pieces, return_a, a_shard, *bs):
-        a_data, a_scale = quantize_rows(a_shard, config.dtype, config)
-        b_ops = [quantize_columns(b, config.dtype, config) for b in bs]
-        a_full, a_full_scale, outs = torch.ops.fastmesh.all_gather_scaled_matmul(
-            a_data,
-            a_scale,
-            [d for d, _ in b_ops],
-            [s for _, s in b_ops],
-            gather_dim,
-            group_name,
-            a_shard.dtype,
-            True,
-            pieces,
-        )
+        a_full, a_full_scale, outs = _gather_fp8(config, group_name, gather_dim, pieces, a_shard, bs, True)
         ctx.config, ctx.group_name, ctx.gather_dim, ctx.pieces = config, group_name, gather_dim, pieces
         ctx.dtype = a_shard.dtype
         ctx.save_for_backward(a_full, a_full_scale, *bs)
@@ -310,14 +310,17 @@ class _GatheredGradient(torch.autograd.Function):
         return None, reduce_scatter(grad.contiguous(), ctx.gather_dim, ctx.group_name), None, None
 
 
+def _scatter_fp8(config, group_name, scatter_dim, reduce_op, pieces, a, b):
+    """The FP8 forward of matmul_reduce_scatter: a and b quantized, then the scaled op."""
+    a_data, a_scale = quantize_rows(a, config.dtype, config)
+    b_data, b_scale = quantize_columns(b, config.dtype, config)
+    return _SCALED_SCATTER(a_data, a_scale, b_data, b_scale, scatter_dim, reduce_op, group_name, a.dtype, pieces)
+
+
 class _Float8MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, group_name, scatter_dim, reduce_op, pieces, dgrad_in_fp8, a, b):
-        a_data, a_scale = quantize_rows(a, config.dtype, config)
-        b_data, b_scale = quantize_columns(b, config.dtype, config)
-        out = torch.ops.fastmesh.scaled_matmul_reduce_scatter(
-            a_data, a_scale, b_data, b_scale, scatter_dim, reduce_op, group_name, a.dtype, pieces
-        )
+        out = _scatter_fp8(config, group_name, scatter_dim, reduce_op, pieces, a, b)
         ctx.config, ctx.group_name, ctx.scatter_dim, ctx.reduce_op, ctx.pieces = (
             config,
             group_name,
@@ -366,10 +369,13 @@ def all_gather_matmul_fp8(
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The fronts' ``fp8=`` path of all_gather_matmul (module docstring)."""
     check_rows_gathered(a_shard, gather_dim, "fastmesh.all_gather_matmul")  # before bs' MX / block sizes
+    dgrad = fp8_dgrad_possible(config, a_shard)
     for b in bs:
-        check_fp8_contraction(
-            config, b.shape[0], b.shape[1], fp8_dgrad_possible(config, a_shard), "fastmesh.all_gather_matmul"
-        )
+        check_fp8_contraction(config, b.shape[0], b.shape[1], dgrad, "fastmesh.all_gather_matmul")
+    if not (torch.is_grad_enabled() and (a_shard.requires_grad or any_requires_grad(bs))):
+        # No backward to record: the forward alone (an autograd Function costs host time for nothing).
+        a_full, a_full_scale, outs = _gather_fp8(config, group_name, gather_dim, pieces, a_shard, bs, return_a)
+        return (dequantize(a_full, a_full_scale, a_shard.dtype) if return_a else None), outs
     gathered, *outs = _Float8AllGatherMatmul.apply(config, group_name, gather_dim, pieces, return_a, a_shard, *bs)
     if gathered is not None and a_shard.requires_grad:
         gathered = _GatheredGradient.apply(gathered, a_shard, gather_dim % a_shard.dim(), group_name)
@@ -385,4 +391,6 @@ def matmul_reduce_scatter_fp8(
     # with no columns (b [K, 0]): there is nothing to shrink.
     dgrad_in_fp8 = fp8_dgrad_possible(config, a) and scatter_dim % a.dim() != a.dim() - 1 and b.shape[1] > 0
     check_fp8_contraction(config, b.shape[0], b.shape[1], dgrad_in_fp8, "fastmesh.matmul_reduce_scatter")
+    if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+        return _scatter_fp8(config, group_name, scatter_dim, reduce_op, pieces, a, b)  # no backward to record
     return _Float8MatmulReduceScatter.apply(config, group_name, scatter_dim, reduce_op, pieces, dgrad_in_fp8, a, b)

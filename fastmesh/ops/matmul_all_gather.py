@@ -33,6 +33,7 @@ from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, plans, traced_unfused
 from fastmesh.ops._checks import check_is_tensor
+from fastmesh.ops._collectives import traced_all_gather
 from fastmesh.ops._fused_common import (
     check_matmul_operands,
     check_pieces,
@@ -88,6 +89,13 @@ def _matmul_all_gather_planned(a, b, group_name, pieces=0):
         return plans.run_unplanned(run)
     call = plan_call(a, b, group_name)
     return plans.run_planned(call, run, plans.decide(call, pieces, run))
+
+
+@traced_unfused.trace("matmul_all_gather")
+def _matmul_all_gather_traced(a, b, group_name, pieces=0):
+    if not traced_unfused.plans_unfused(lambda: plan_call(a, b, group_name), pieces, a, b):
+        return NotImplemented
+    return traced_all_gather(a @ b, -1, group_name)
 
 
 @torch.library.register_fake(qualified_name("rank_columns"))

@@ -25,14 +25,13 @@ dtype. Plans (``docs/plans.md``): pieces of the product's rows, each all-reduced
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
 from fastmesh.ops import _dtensor, autocast, plans, traced_unfused
 from fastmesh.ops._checks import check_is_tensor
+from fastmesh.ops._collectives import traced_all_reduce
 from fastmesh.ops._fp8_operands import (
     check_config,
     check_fp8_contraction,
@@ -54,14 +53,13 @@ from fastmesh.ops._fused_common import (
     resolve_pieces,
 )
 from fastmesh.ops._library import qualified_name
-
-if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
-    from fastmesh.fp8.config import Float8Config
+from fastmesh.ops.fp8_config import Float8Config
 
 _OP = "fastmesh::matmul_all_reduce"
 _SOP = "fastmesh::scaled_matmul_all_reduce"
 _FRONT = "fastmesh.matmul_all_reduce"
 _ALL_REDUCE = torch.ops.fastmesh.matmul_all_reduce.default
+_SCALED_ALL_REDUCE = torch.ops.fastmesh.scaled_matmul_all_reduce.default
 
 
 def _check_matmul_all_reduce(a, b, reduce_op, pieces) -> None:
@@ -132,6 +130,13 @@ def _matmul_all_reduce_planned(a, b, reduce_op, group_name, pieces=0):
     return plans.run_planned(call, run, plans.decide(call, pieces, run))
 
 
+@traced_unfused.trace("matmul_all_reduce")
+def _matmul_all_reduce_traced(a, b, reduce_op, group_name, pieces=0):
+    if not traced_unfused.plans_unfused(lambda: plan_call(a, b, group_name), pieces, a, b):
+        return NotImplemented
+    return traced_all_reduce(a @ b, group_name, reduce_op)
+
+
 @plans.planned_run("scaled_matmul_all_reduce")
 def _scaled_matmul_all_reduce_planned(a, a_scale, b, b_scale, reduce_op, group_name, out_dtype, pieces=0):
     world = group_size(group_name, _SOP)
@@ -165,21 +170,23 @@ def _local_grads(ctx, grad_out, need_a: bool, need_b: bool):
     return grad_a, grad_b
 
 
+def _all_reduce_fp8(config, group_name, reduce_op, pieces, a, b):
+    """The front's ``fp8=`` forward: a quantized along its rows, b alike along its output columns (``quantize_rows``
+    / ``quantize_columns``), then the scaled op."""
+    a_data, a_scale = quantize_rows(a, config.dtype, config)
+    b_data, b_scale = quantize_columns(b, config.dtype, config)
+    return _SCALED_ALL_REDUCE(a_data, a_scale, b_data, b_scale, reduce_op, group_name, a.dtype, pieces)
+
+
 class _Float8MatmulAllReduce(torch.autograd.Function):
-    """The front's ``fp8=`` path: a quantized along its rows, b alike along its output columns (``quantize_rows`` /
-    ``quantize_columns``); backward as the high-precision op's (local, in the input dtype: no transfer to
-    shrink)."""
+    """The front's ``fp8=`` path with a backward: as the high-precision op's (local, in the input dtype: no transfer
+    to shrink)."""
 
     @staticmethod
     def forward(ctx, config, group_name, reduce_op, pieces, a, b):
-        check_fp8_contraction(config, b.shape[0], b.shape[1], False, "fastmesh.matmul_all_reduce")
-        a_data, a_scale = quantize_rows(a, config.dtype, config)
-        b_data, b_scale = quantize_columns(b, config.dtype, config)
         ctx.avg, ctx.group_name = reduce_op == "avg", group_name
         ctx.save_for_backward(a, b)
-        return torch.ops.fastmesh.scaled_matmul_all_reduce(
-            a_data, a_scale, b_data, b_scale, reduce_op, group_name, a.dtype, pieces
-        )
+        return _all_reduce_fp8(config, group_name, reduce_op, pieces, a, b)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -242,11 +249,16 @@ def matmul_all_reduce(
     name = _group_name_of(group)
     if fp8 is not None:
         a, b = autocast.cast((a, b))
-        if not torch.compiler.is_compiling():  # when tracing, the fake impl runs the same checks
+        config = check_config(fp8, _FRONT, a.dtype)
+        try:
+            check_fp8_contraction(config, b.shape[0], b.shape[1], False, _FRONT)
+            if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+                return _all_reduce_fp8(config, name, reduce_op, pieces, a, b)  # no backward to record
+            return _Float8MatmulAllReduce.apply(config, name, reduce_op, pieces, a, b)
+        except (RuntimeError, TypeError, ValueError):  # as fastmesh.all_gather_matmul's fp8 path
             group_size(name, _OP)
             _check_matmul_all_reduce(a, b, reduce_op, pieces)
-        config = check_config(fp8, _FRONT, a.dtype)
-        return _Float8MatmulAllReduce.apply(config, name, reduce_op, pieces, a, b)
+            raise
     return _ALL_REDUCE(a, b, reduce_op, name, pieces)
 
 

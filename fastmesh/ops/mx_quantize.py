@@ -30,9 +30,11 @@ import math
 
 import torch
 
+from fastmesh import settings
 from fastmesh._log import log_once
+from fastmesh.kernels.formats import mx_shapes
 from fastmesh.ops._checks import FLOAT_INPUTS, MX_BLOCK, SCALE_ROUNDINGS, check_fp8_dtype, check_tensor
-from fastmesh.ops._library import qualified_name, signature
+from fastmesh.ops._library import below_autograd, qualified_name, signature
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +65,6 @@ def check_mx_args(x: torch.Tensor, dtype: torch.dtype, scale_rounding: str, tran
             )
 
 
-def _shapes(x: torch.Tensor) -> tuple[tuple, tuple, tuple]:
-    """(scale's shape, data_t's, scale_t's)."""
-    rows = math.prod(x.shape[:-1])
-    return (*x.shape[:-1], x.shape[-1] // MX_BLOCK), (x.shape[-1], rows), (x.shape[-1], rows // MX_BLOCK)
-
-
 def _log_path_once(path: str) -> None:
     log_once(logger, logging.INFO, ("mx_quantize", path), "fastmesh.fp8 MX cast runs the %s implementation", path)
 
@@ -78,10 +74,7 @@ def _mx_quantize_body(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     check_mx_args(x, dtype, scale_rounding, transpose)
     x = x.contiguous()  # the kernels read x as a row-major [M, K] matrix
-    # Imported here: fastmesh.ops.fp8_quantize imports this module.
-    from fastmesh.ops.fp8_quantize import cuda_implementation
-
-    if x.device.type == "cuda" and cuda_implementation() == "triton":
+    if x.device.type == "cuda" and settings.get("FASTMESH_FP8_CUDA_IMPL") == "triton":
         from torch.library import wrap_triton
 
         from fastmesh.kernels import mx_quantize as triton_kernels
@@ -106,7 +99,7 @@ mx_quantize_op = torch.library.triton_op(
 @torch.library.register_fake(qualified_name("mx_quantize_native"))
 def _mx_quantize_native_fake(x, dtype, scale_rounding="floor", transpose=False):
     check_mx_args(x, dtype, scale_rounding, transpose, op="fastmesh::mx_quantize_native")
-    scale_shape, data_t_shape, scale_t_shape = _shapes(x)
+    scale_shape, data_t_shape, scale_t_shape = mx_shapes(x.shape)
     data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
     scale = x.new_empty(scale_shape, dtype=torch.float8_e8m0fnu)
     amax = x.new_empty(scale_shape, dtype=torch.float32)
@@ -122,7 +115,8 @@ _MX_QUANTIZE = torch.ops.fastmesh.mx_quantize.default
 
 def mx_quantize(x: torch.Tensor, dtype: torch.dtype, scale_rounding: str = "floor", transpose: bool = False):
     """The op on one tensor: ``(data, scale, amax, data_t, scale_t)``, the last two None without ``transpose``."""
-    data, scale, amax, data_t, scale_t = _MX_QUANTIZE(
-        x.detach() if x.requires_grad else x, dtype, scale_rounding, transpose
-    )
+    with below_autograd():
+        data, scale, amax, data_t, scale_t = _MX_QUANTIZE(
+            x.detach() if x.requires_grad else x, dtype, scale_rounding, transpose
+        )
     return (data, scale, amax, data_t, scale_t) if transpose else (data, scale, amax, None, None)

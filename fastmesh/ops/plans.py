@@ -417,8 +417,17 @@ def override(plan: Plan):
         _forget_remembered()
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
+    """Whether a call on ``device`` is being captured into a CUDA graph (nothing may sync the host or talk to the
+    other ranks)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# Said with a decision taken during CUDA-graph capture (once per key, as every decision).
+CAPTURE_NOTE = (
+    "(during CUDA-graph capture: the cost model's plan alone, neither agreed with the other ranks nor measured nor "
+    "remembered; call the op once before capturing to plan its key as usual)"
+)
 
 
 def _all_reduce(values: list, op: str, call: Call) -> list:
@@ -522,7 +531,8 @@ def decide(
     if agreed is not None:  # the common case, once per call: no log (said when it was agreed), no exchange
         _last[call.op] = (key, agreed)
         return agreed
-    if _capturing(call.device):  # no collective, no timing: the model's plan is the same on every rank
+    if capturing(call.device):  # no collective, no timing: the model's plan is the same on every rank
+        note = f"{note} {CAPTURE_NOTE}" if note else CAPTURE_NOTE
         return _remember(call, dataclasses.replace(_model(call), this_call_only=True), note)
     cached = _cached(call)
     local = _model(call) if cached is None else cached
@@ -587,7 +597,9 @@ def connect_kernels() -> None:
     it)."""
     error = _cpp_lib.load_error()
     if error is None:
-        _cpp_lib.load().set_planner(run_first_call)
+        ext = _cpp_lib.load()
+        ext.set_planner(run_first_call)
+        settings.on_reload(lambda: (ext.reload_settings(), ext.forget_plans()))
         return
 
     def unavailable(*args, **kwargs):

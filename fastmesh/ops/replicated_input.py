@@ -27,7 +27,6 @@ dequantized FP8 input. With ``"mx"``, 32 must divide K and, for an FP8 input gra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +39,10 @@ from fastmesh.ops._fp8_operands import (
     quantize_rows,
 )
 from fastmesh.ops._fused_common import as_matrix
+from fastmesh.ops.fp8_config import Float8Config
 from fastmesh.ops.fp8_quantize import dequantize
 from fastmesh.ops.matmul_all_gather import matmul_all_gather
 from fastmesh.ops.matmul_all_reduce import matmul_all_reduce
-
-if TYPE_CHECKING:  # fastmesh.fp8 (the recipes layer) sits above the ops
-    from fastmesh.fp8.config import Float8Config
 
 _FRONT = "FusedColwiseParallel"
 

@@ -6,34 +6,44 @@ the native TP plan). Inductor's decomposition table gets one entry per fused op:
 graph (forward and backward), a call with static shapes whose plan is ``unfused`` (asked as the compile pass
 asks: this rank's cached plan, else the model, no collective; ``fastmesh/ops/plans.py``) becomes the
 functional all-gather / reduce-scatter / all-reduce and the matmuls; any other call stays the op, which plans it at run
-time. The entries are registered the first time a fused op is traced (its fake impl), so that importing
-fastmesh does not import inductor.
+time. Each op module registers its trace (:func:`trace`); the entries go into the table the first time a fused op
+is traced (its fake impl calls :func:`register_once`), so that importing fastmesh does not import inductor.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from fastmesh.ops import plans
-from fastmesh.ops._collectives import traced_all_gather, traced_all_reduce, traced_reduce_scatter
 
 logger = logging.getLogger("fastmesh.plans")
 _registered = None  # None: not tried yet
 
 
+# op name ("all_gather_matmul") -> its unfused trace: the op's arguments -> its results as torch's collectives and
+# matmuls, or NotImplemented where the call keeps the op (a plan other than unfused, symbolic shapes, pieces=).
+_traces: dict[str, Callable] = {}
+
+
+def trace(op_name: str):
+    """Registers the decorated function as ``op_name``'s unfused trace (installed by :func:`register_once`)."""
+
+    def register(fn: Callable) -> Callable:
+        _traces[op_name] = fn
+        return fn
+
+    return register
+
+
 def register_once() -> bool:
-    """Adds the entries to inductor's decomposition table (once); whether they are in place."""
+    """Adds the registered traces to inductor's decomposition table (once); whether they are in place."""
     global _registered
     if _registered is not None:
         return _registered
-    ops = (
-        (torch.ops.fastmesh.all_gather_matmul.default, _all_gather_matmul),
-        (torch.ops.fastmesh.matmul_reduce_scatter.default, _matmul_reduce_scatter),
-        (torch.ops.fastmesh.matmul_all_reduce.default, _matmul_all_reduce),
-        (torch.ops.fastmesh.matmul_all_gather.default, _matmul_all_gather),
-    )
+    ops = [(getattr(torch.ops.fastmesh, name).default, fn) for name, fn in _traces.items()]
     try:
         from torch._inductor import decomposition as inductor_decompositions
         from torch._inductor.lowering import make_fallback, tag_to_layout_constraint
@@ -62,58 +72,12 @@ def register_once() -> bool:
     return True
 
 
-def _all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0):
-    from fastmesh.ops.fused_collectives import gather_plan_call
-
-    dim = gather_dim % a_shard.dim()
-    if (
-        pieces
-        or a_shard.numel() == 0
-        or not plans.has_static_shape(a_shard, *bs)
-        or plans.unfused_offline(gather_plan_call(a_shard, bs, dim, group_name)) is None
-    ):
-        return NotImplemented
-    a = traced_all_gather(a_shard, dim, group_name)
-    return (a if return_a else None), [a @ b for b in bs]
-
-
-def _matmul_reduce_scatter(a, b, scatter_dim, reduce_op, group_name, pieces=0):
-    from fastmesh.ops.fused_collectives import scatter_plan_call
-
-    dim = scatter_dim % a.dim()
-    if (
-        pieces
-        or a.numel() == 0
-        or b.numel() == 0
-        or not plans.has_static_shape(a, b)
-        or plans.unfused_offline(scatter_plan_call(a, b, dim, group_name)) is None
-    ):
-        return NotImplemented
-    return traced_reduce_scatter(a @ b, dim, group_name, reduce_op)
-
-
-def _traced_unfused(a, b, pieces, plan_call) -> bool:
-    """Whether a call whose whole product travels runs its unfused plan: traced as its collective."""
+def plans_unfused(call: Callable[[], plans.Call], pieces: int, *tensors) -> bool:
+    """Whether a call with these operands is traced unfused: no ``pieces=``, static shapes, no empty operand, and
+    ``call()``'s offline plan (this rank's cached plan, else the model) is ``unfused``."""
     return (
         not pieces
-        and a.numel() != 0
-        and b.numel() != 0
-        and plans.has_static_shape(a, b)
-        and plans.unfused_offline(plan_call()) is not None
+        and all(t.numel() != 0 for t in tensors)
+        and plans.has_static_shape(*tensors)
+        and plans.unfused_offline(call()) is not None
     )
-
-
-def _matmul_all_reduce(a, b, reduce_op, group_name, pieces=0):
-    from fastmesh.ops.matmul_all_reduce import plan_call
-
-    if not _traced_unfused(a, b, pieces, lambda: plan_call(a, b, group_name)):
-        return NotImplemented
-    return traced_all_reduce(a @ b, group_name, reduce_op)
-
-
-def _matmul_all_gather(a, b, group_name, pieces=0):
-    from fastmesh.ops.matmul_all_gather import plan_call
-
-    if not _traced_unfused(a, b, pieces, lambda: plan_call(a, b, group_name)):
-        return NotImplemented
-    return traced_all_gather(a @ b, -1, group_name)
