@@ -660,9 +660,8 @@ def _symm_mem_note(ctx: Context, runner) -> str | None:
     if runner.fp8:
         return "symm_mem baseline not run for FP8 (torch's fused scaled ops take other scale layouts)"
     try:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-        enable_symm_mem_for_group(runner.group.group_name)
+        # Every torch fastmesh supports (2.11+) enables a group's symmetric memory on first use: the old
+        # enable_symm_mem_for_group call is deprecated (2.14) and proposed for removal.
         runner.symm_mem()
     except Exception as error:  # any failure: the baseline is reported as not run, with torch's reason
         return f"symm_mem baseline not run: {type(error).__name__}: {str(error).splitlines()[0][:200]}"

@@ -22,6 +22,7 @@ import fastmesh
 from fastmesh import _cpp_lib
 from fastmesh.ops import plans
 from fastmesh.ops._library import NAMESPACE
+from fastmesh.version import TESTED_TORCH
 
 _DISPATCH_KEY_LINE = re.compile(r"^(\w+)(?:\[alias\])?: registered at ")
 
@@ -174,7 +175,11 @@ def collect() -> dict[str, Any]:
         "fastmesh": fastmesh.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "torch": {"version": torch.__version__, "git_version": torch.version.git_version},
+        "torch": {
+            "version": torch.__version__,
+            "git_version": torch.version.git_version,
+            "tested": _torch_release(torch.__version__) in TESTED_TORCH,
+        },
         "extension": _extension_report(),
         "cuda": _cuda_report(),
         "distributed": _distributed_report(),
@@ -189,6 +194,11 @@ def collect() -> dict[str, Any]:
     return report
 
 
+def _torch_release(version: str) -> str:
+    """``"2.14"`` of ``"2.14.1+cu130"``."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
 def _yes_no(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -197,7 +207,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"fastmesh        {report['fastmesh']}",
         f"python          {report['python']} ({report['platform']})",
-        f"torch           {report['torch']['version']} (git {report['torch']['git_version'][:12]})",
+        f"torch           {report['torch']['version']} (git {report['torch']['git_version'][:12]}): "
+        + ("tested" if report["torch"]["tested"] else f"not tested (fastmesh is tested on {', '.join(TESTED_TORCH)})"),
         f"triton          {report['triton']['version'] or 'not installed'}: {report['triton']['mode']}",
         "",
     ]

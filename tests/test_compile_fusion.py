@@ -424,8 +424,10 @@ def _world():
     return dist.group.WORLD
 
 
-# all_gather_single is the name since torch 2.12 (all_gather_tensor warns there); 2.11 has only the old one.
+# all_gather_single / reduce_scatter_single are the names since torch 2.12 (the old ones warn there); 2.11 has only
+# the old ones.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def _gather(x, dim):
@@ -436,7 +438,7 @@ def _gather(x, dim):
 
 
 def _scatter(x, dim, op="sum"):
-    return funcol.reduce_scatter_tensor(x, op, dim, _world())
+    return _reduce_scatter(x, op, dim, _world())
 
 
 def _gather_dim0(x, w, b):

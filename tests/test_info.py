@@ -11,6 +11,7 @@ import torch
 import fastmesh
 from fastmesh import _cpp_lib, info, settings
 from fastmesh.ops.plan_cache import PlanCache
+from fastmesh.version import TESTED_TORCH
 
 
 def run_cli(*args, env=None, prelude=""):
@@ -28,6 +29,9 @@ def test_json_report_matches_dispatcher():
     assert report["usable"] and report["problems"] == []
     assert report["fastmesh"] == fastmesh.__version__
     assert report["torch"]["version"] == torch.__version__
+    # Every torch this suite runs under (CI's three legs) is one the report calls tested.
+    assert report["torch"]["tested"] is (torch.__version__.split("+")[0].rsplit(".", 1)[0] in TESTED_TORCH)
+    assert report["torch"]["tested"], f"torch {torch.__version__} is not in fastmesh.version.TESTED_TORCH"
     assert report["extension"]["loaded"]
     build = report["extension"]["build_info"]
     assert build["torch_version"] == torch.__version__

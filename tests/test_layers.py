@@ -2,10 +2,12 @@
 inside functions included, ``TYPE_CHECKING`` ones not), no two modules import each other (directly or through
 others), and the kernels do not import the ops.
 
-Layers, top to bottom: compile > parallel > recipes (``fastmesh/fp8``) > ops > mesh > kernels. The utilities
-(``_log``, ``_cpp_lib``, ``_build_config``, ``settings``, ``version``) serve every layer and import only each
-other; the tools (the package's ``__init__``, ``__main__``, ``info``, ``tune``, ``testing``, and ``bench``) sit on
-top. The plain-PyTorch references in ``kernels/`` are the tests' oracle, not kernels: they may import the library.
+Layers, top to bottom: compile > parallel (and ``fastmesh/nn``, the plain-tensor modules) > recipes
+(``fastmesh/fp8``) > ops > mesh > kernels. The utilities (``_log``, ``_cpp_lib``, ``_build_config``, ``settings``,
+``version``) serve every layer and import only each other; the tools (the package's ``__init__``, ``__main__``,
+``info``, ``tune``, ``testing``, and ``bench``) sit on top, with the adapters to other frameworks
+(``fastmesh/integrations``). The plain-PyTorch references in ``kernels/`` are the tests' oracle, not kernels: they may
+import the library.
 """
 
 from __future__ import annotations
@@ -42,9 +44,12 @@ def _layer(module: str) -> int:
         return -1
     if module in TOOLS or module.startswith(("fastmesh.testing", "fastmesh.bench")) or module in ORACLES:
         return LAYERS["tools"]
+    if module.startswith("fastmesh.integrations"):  # adapters to other frameworks, over the styles
+        return LAYERS["tools"]
     for prefix, layer in (
         ("fastmesh.compile", "compile"),
         ("fastmesh.parallel", "parallel"),
+        ("fastmesh.nn", "parallel"),  # the plain-tensor TP modules: the styles' peers, over the ops
         ("fastmesh.fp8", "recipes"),
         ("fastmesh.ops", "ops"),
         ("fastmesh.mesh", "mesh"),

@@ -1005,15 +1005,16 @@ class _QK(nn.Module):
 
 @on_ranks(2)
 def test_sibling_linears_share_one_gather_and_other_uses_stay_correct():
-    """Listed linears called with the parent's (gathered) input share one fused call; a replicated use of that
-    input gets its gradient counted once; a listed linear called with another input runs on its own and says so."""
+    """Listed linears called with the parent's (gathered) input share one fused call, the input passed by position
+    or by name (as Hugging Face calls ``self_attn(hidden_states=...)``); a replicated use of that input gets its
+    gradient counted once; a listed linear called with another input runs on its own and says so."""
     mesh = _tp_mesh()
     torch.manual_seed(0)
     unsharded = _QK()
     x = _randn((2, 6, 8), seed=6, dtype=torch.float64)
     other = _randn((2, 6, 8), seed=7, dtype=torch.float64)
     gq, gk = _randn((2, 6, 4), seed=8, dtype=torch.float64), _randn((2, 6, 4), seed=9, dtype=torch.float64)
-    for use_other in (False, True):
+    for use_other, by_name in ((False, False), (False, True), (True, False)):
         xr, other_r = x.clone().requires_grad_(), other.clone().requires_grad_()
         q, k, s = unsharded(xr, other_r if use_other else None)
         ((q * gq).sum() + (k * gk).sum() + s).backward()
@@ -1025,7 +1026,7 @@ def test_sibling_linears_share_one_gather_and_other_uses_stay_correct():
         mode = CommDebugMode()
         mode.comm_registry.add(torch.ops.fastmesh.all_gather_matmul)
         with captured_log("fastmesh.parallel", logging.WARNING) as messages, mode:
-            q, k, s = qk(xs, other_s if use_other else None)
+            q, k, s = qk(x=xs) if by_name else qk(xs, other_s if use_other else None)
         counts = mode.get_comm_counts()
         messages = " ".join(messages)
         # One gather for both linears, or a second one for wk's own input.

@@ -7,15 +7,20 @@ parallelized by its own plan (``Transformer.parallelize``) and by fastmesh's, on
 * The collectives of a training step, counted with CommDebugMode: the native plan's, one for one (the plain-TP
   plan's sibling linears share one all-reduce where the native plan has one each).
 * Every parameter placed as torch's plan places it; the plain-TP plan inside FSDP2 on a 2-D (dp, tp) mesh.
+* torch's own ``Transformer.parallelize`` with each plan it builds passed through ``fastmesh.parallel.fused``: the
+  one-line switch trains as the native plan, with the same collectives, fused.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from log_capture import captured_log
 from rank_pool import on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -25,9 +30,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.testing._internal.distributed._tensor import common_dtensor
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
-from fastmesh.parallel import FusedColwiseParallel, FusedRowwiseParallel
+from fastmesh import _log
+from fastmesh.parallel import FusedColwiseParallel, FusedRowwiseParallel, fused
 
 
 def _tp_mesh():
@@ -79,12 +86,24 @@ def parallelize_fused(model: Transformer, mesh, sequence_parallel: bool, share: 
     return model
 
 
+def parallelize_through_fused(model: Transformer, mesh, sequence_parallel: bool) -> Transformer:
+    """torch's ``Transformer.parallelize``, unchanged, with every plan it applies passed through ``fused``."""
+
+    def parallelize_module_fused(module, device_mesh, plan, **kwargs):
+        return parallelize_module(module, device_mesh, fused(plan), **kwargs)
+
+    with mock.patch.object(common_dtensor, "parallelize_module", parallelize_module_fused):
+        return Transformer.parallelize(model, mesh, sequence_parallel, local_output_for_attn=True)
+
+
 def _model(args: ModelArgs, plan: str, sequence_parallel: bool) -> Transformer:
     torch.manual_seed(0)  # the same weights on every rank and under every plan
     model = Transformer(args).to(torch.float64)
     mesh = _tp_mesh()
     if plan == "native":
         return Transformer.parallelize(model, mesh, sequence_parallel, local_output_for_attn=True)
+    if plan == "fused(plan)":
+        return parallelize_through_fused(model, mesh, sequence_parallel)
     return parallelize_fused(model, mesh, sequence_parallel, share=plan == "fastmesh")
 
 
@@ -170,23 +189,26 @@ def test_parameters_placed_as_torchs_plan():
             torch.testing.assert_close(_full(q), _full(p), rtol=0, atol=0, msg=name)
 
 
+# Each fused op as the collective it holds.
+_FUSED_AS = {
+    torch.ops.fastmesh.all_gather_matmul: "all_gather_into_tensor",
+    torch.ops.fastmesh.matmul_reduce_scatter: "reduce_scatter_tensor",
+    torch.ops.fastmesh.matmul_all_reduce: "all_reduce",
+    torch.ops.fastmesh.matmul_all_gather: "all_gather_into_tensor",
+}
+
+
 def _step_counts(model: Transformer, tokens: torch.Tensor) -> dict:
     """The collectives of one training step, by phase and name (a fused op as the collective it holds)."""
-    fused_as = {
-        torch.ops.fastmesh.all_gather_matmul: "all_gather_into_tensor",
-        torch.ops.fastmesh.matmul_reduce_scatter: "reduce_scatter_tensor",
-        torch.ops.fastmesh.matmul_all_reduce: "all_reduce",
-        torch.ops.fastmesh.matmul_all_gather: "all_gather_into_tensor",
-    }
     mode = CommDebugMode()
-    mode.comm_registry.update(fused_as)
+    mode.comm_registry.update(_FUSED_AS)
     with mode:
         _loss(model, tokens).backward()
     counts = {}
     for phase in ("forward", "backward"):
         counts[phase] = {}
         for op, n in mode.comm_module_counts["Global"][phase].items():
-            name = fused_as.get(op) or op.__name__
+            name = _FUSED_AS.get(op) or op.__name__
             counts[phase][name] = counts[phase].get(name, 0) + n
     return counts
 
@@ -254,3 +276,44 @@ def test_fsdp2_2d_plain_tp_matches_torchs_plan():
     assert params.keys() == want_params.keys()
     for name, p in want_params.items():
         torch.testing.assert_close(params[name], p, **TOLERANCE, msg=lambda m: f"{name}: {m}")
+
+
+@on_ranks(2, timeout=300)
+def test_fused_plan_trains_as_torchs_plan_with_its_collectives_fused():
+    """``fused(plan)`` on torch's own plans: the losses and gradients of the native plan, the native step's
+    collectives one for one, each linear's collective inside a fused op (the sequence-parallel attention's q, k and
+    v under one gather, as the native plan's PrepareModuleInput gathers once), and the embeddings and norms, which
+    no fused op serves, left to torch's styles with the reason said."""
+    args = _args(dist.get_world_size(), weight_tying=True)
+    tokens = _tokens(args, 2, seed=0)
+    for sequence_parallel in (False, True):
+        case = f"sequence_parallel={sequence_parallel}"
+        _log.forget(lambda key: isinstance(key, tuple) and key[0] == "fused")  # said once per process
+        with captured_log("fastmesh.parallel", logging.INFO) as messages:
+            model = _model(args, "fused(plan)", sequence_parallel)
+        said = " ".join(messages)
+        assert "fused: RowwiseParallel at 'tok_embeddings' stays torch's: not an nn.Linear" in said, (case, said)
+        assert ("fused: SequenceParallel at 'norm' stays torch's" in said) == sequence_parallel, (case, said)
+        want_losses, want_grads = train(args, "native", sequence_parallel)
+        got_losses, got_grads = train(args, "fused(plan)", sequence_parallel)
+        torch.testing.assert_close(got_losses, want_losses, **TOLERANCE, msg=lambda m: f"{case}: losses: {m}")
+        for step, (got, want) in enumerate(zip(got_grads, want_grads)):
+            assert got.keys() == want.keys(), (case, got.keys(), want.keys())
+            for name in want:
+                torch.testing.assert_close(
+                    got[name], want[name], **TOLERANCE, msg=lambda m: f"{case}, step {step}: grad {name}: {m}"
+                )
+        native = _step_counts(_model(args, "native", sequence_parallel), tokens)
+        assert _step_counts(model, tokens) == native, case
+        mode = CommDebugMode()
+        mode.comm_registry.update(_FUSED_AS)
+        with mode:
+            _loss(model, tokens).backward()
+        ops = mode.comm_module_counts["Global"]["forward"]
+        n = args.n_layers
+        if sequence_parallel:  # per layer: one gather for q/k/v, one for w1; wo and w2 reduce-scatter
+            assert ops[torch.ops.fastmesh.all_gather_matmul] == 2 * n, (case, ops)
+            assert ops[torch.ops.fastmesh.matmul_reduce_scatter] == 2 * n, (case, ops)
+        else:  # per layer: wo and w2 all-reduce, fused
+            assert ops[torch.ops.fastmesh.matmul_all_reduce] == 2 * n, (case, ops)
+        assert ops[torch.ops.fastmesh.matmul_all_gather] == 1, (case, ops)  # the LM head's logits

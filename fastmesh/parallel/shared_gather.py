@@ -27,6 +27,7 @@ gradient; only the group's rank 0 passes that gradient on, so the fused op's red
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 
@@ -83,21 +84,28 @@ class SharedGather:
             setattr(linear, _SIBLING, (self, name))
             linear.forward = types.MethodType(_sibling_forward, linear)
         self.parent_forward = parent.forward  # bound to the parent
+        # Callers may pass the input by keyword (Hugging Face's decoder layers call ``self_attn(hidden_states=...)``).
+        self.input_name = first_parameter(self.parent_forward)
         setattr(parent, _SHARED_GATHER, self)
         parent.forward = types.MethodType(_gathered_forward, parent)
 
     def gather_and_multiply(self, parent: nn.Module, args: tuple, kwargs: dict):
         """The parent's arguments with its input replaced by the gathered input, which carries the outputs."""
-        if not args:
+        if args:
+            given, rest = args[0], args[1:]
+        elif self.input_name in kwargs:
+            given, rest = kwargs[self.input_name], ()
+            kwargs = {k: v for k, v in kwargs.items() if k != self.input_name}
+        else:
             raise TypeError(
                 f"{_COLWISE}(linears={self.style.linears}): {type(parent).__name__}'s input must be its "
-                "first positional argument"
+                f"first argument ({self.input_name or 'positional'}), which this call does not pass"
             )
-        x, placement, rows = self.style._prepare_input_fn(args[0], self.mesh)
+        x, placement, rows = self.style._prepare_input_fn(given, self.mesh)
         in_features = self.named_linears[0][1].in_features
         check_input_features(x, in_features, _COLWISE, type(parent).__name__, linears=self.style.linears)
         if isinstance(x, DTensor):  # a Replicate() DTensor: each linear runs as torch's ColwiseParallel
-            return (x, *args[1:]), kwargs
+            return (x, *rest), kwargs
         if isinstance(placement, Replicate):
             # Nothing to gather: the linears multiply locally, and their input gradients share one all-reduce.
             outs = self.style._replicated_matmul(self.mesh, self.named_linears, x)
@@ -109,7 +117,7 @@ class SharedGather:
         setattr(gathered, _SIBLING_OUTPUTS, {name: out for (name, _), out in zip(self.named_linears, outs)})
         if not torch.compiler.is_compiling():
             self.eager_gathered = gathered
-        return (gathered, *args[1:]), kwargs
+        return (gathered, *rest), kwargs
 
     def release(self) -> None:
         if not torch.compiler.is_compiling() and self.eager_gathered is not None:
@@ -163,3 +171,13 @@ def _gathered_forward(parent: nn.Module, *args, **kwargs):
 def _sibling_forward(linear: nn.Linear, x):
     shared, name = getattr(linear, _SIBLING)
     return shared.sibling_forward(linear, name, x)
+
+
+def first_parameter(forward) -> str | None:
+    """The name of ``forward``'s first parameter if it can be passed by keyword, else None."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C++ forward: positional only
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return parameters[0].name if parameters and parameters[0].kind in keyword else None

@@ -111,7 +111,7 @@ class FusedColwiseParallel(ParallelStyle):
     torch's ``PrepareModuleInput(desired_input_layouts=Replicate())``); each listed linear called with it
     returns its precomputed output. Any other use of it in the parent's forward is computed by DTensor, with
     the right gradients; a listed linear called with another input runs on its own (and says so once, in the
-    ``fastmesh.parallel`` logger). The parent's first positional argument is its input.
+    ``fastmesh.parallel`` logger). The parent's input is its forward's first argument, by position or by name.
 
     Keyword Args:
         input_layouts (Placement, optional):
