@@ -7,11 +7,14 @@ the problems are printed and the exit code is 1.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import platform
 import re
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -79,6 +82,50 @@ def _distributed_report() -> dict[str, Any]:
         "xccl": getattr(dist, "is_xccl_available", lambda: False),
     }
     return {"available": True, "backends": {name: bool(probe()) for name, probe in probes.items()}}
+
+
+# rows, contraction, columns of the probe: under a millisecond in float32, tens where bf16 is emulated.
+_MATMUL_PROBE = (64, 512, 512)
+# A half-precision dtype whose matmul is within this factor of float32's counts as native: an emulated one is
+# 50-80x slower (AVX2 without AVX512-BF16 / AMX), a native one as fast or faster.
+_NATIVE_WITHIN = 4.0
+
+
+@functools.cache
+def cpu_matmul() -> dict[str, Any]:
+    """This CPU's matmul rate per dtype on one thread (GFLOP/s, the best of 3 of a small product) and whether it
+    multiplies bf16 / fp16 natively, as measured: torch's CPU capability alone does not say (AVX-512 without
+    AVX512-BF16 emulates bf16)."""
+    rows, inner, columns = _MATMUL_PROBE
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rates = {}
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            a, b = torch.randn(rows, inner).to(dtype), torch.randn(inner, columns).to(dtype)
+            a @ b  # the first call allocates and picks the kernel
+            best = math.inf
+            for _ in range(3):
+                start = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - start)
+            rates[str(dtype).removeprefix("torch.")] = 2 * rows * inner * columns / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+    native = {name: rates[name] * _NATIVE_WITHIN >= rates["float32"] for name in ("bfloat16", "float16")}
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "gflops": rates, "native": native}
+
+
+def half_precision_note(dtype_name: str) -> str | None:
+    """What a reader of a CPU figure in ``dtype_name`` must know when this CPU emulates it, or None."""
+    report = cpu_matmul()
+    if report["native"].get(dtype_name, True):
+        return None
+    rates = report["gflops"]
+    return (
+        f"this CPU ({report['capability']}) has no native {dtype_name} matmul: {rates[dtype_name]:.1f} GFLOP/s on one "
+        f"thread, {rates['float32'] / rates[dtype_name]:.0f}x slower than float32"
+    )
 
 
 def _symmetric_memory_report() -> dict[str, Any]:
@@ -182,6 +229,7 @@ def collect() -> dict[str, Any]:
         },
         "extension": _extension_report(),
         "cuda": _cuda_report(),
+        "cpu_matmul": cpu_matmul(),
         "distributed": _distributed_report(),
         "symmetric_memory": _symmetric_memory_report(),
         "triton": _triton_report(),
@@ -240,6 +288,12 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [
         f"  cuda:{d['index']}        {d['name']} (sm {d['capability']}, {d['memory_gib']} GiB)" for d in cuda["devices"]
     ]
+    matmul = report["cpu_matmul"]
+    rates = ", ".join(
+        f"{name} {rate:.1f}" + ("" if matmul["native"].get(name, True) else " (emulated)")
+        for name, rate in matmul["gflops"].items()
+    )
+    lines.append(f"CPU matmul      {matmul['capability']}; GFLOP/s on one thread: {rates}")
     backends = report["distributed"]["backends"]
     lines.append("distributed     " + (", ".join(f"{n}={_yes_no(v)}" for n, v in backends.items()) or "unavailable"))
     symm = report["symmetric_memory"]

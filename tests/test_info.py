@@ -91,11 +91,29 @@ def test_report_text_lists_sections():
         "distributed ",
         "symmetric mem ",
         "CUDA all-gather ",
+        "CPU matmul ",
         "plan choice ",
         "plan cache ",
         "status ",
     ):
         assert heading in text, heading
+
+
+def test_reports_whether_the_cpu_multiplies_half_precision_natively(monkeypatch):
+    report = info.cpu_matmul()
+    assert report["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(report["gflops"]) == {"float32", "bfloat16", "float16"} and min(report["gflops"].values()) > 0
+    for name in ("bfloat16", "float16"):
+        assert (info.half_precision_note(name) is None) == report["native"][name], name
+    # An emulated dtype, as on AVX2: the note says how much slower, and the text marks it.
+    emulated = {**report, "gflops": {"float32": 60.0, "bfloat16": 1.0, "float16": 30.0}}
+    emulated["native"] = {"bfloat16": False, "float16": True}
+    monkeypatch.setattr(info, "cpu_matmul", lambda: emulated)
+    assert info.half_precision_note("float16") is None
+    assert "no native bfloat16 matmul: 1.0 GFLOP/s on one thread, 60x slower than float32" in info.half_precision_note(
+        "bfloat16"
+    )
+    assert "bfloat16 1.0 (emulated), float16 30.0" in info.format_report({**info.collect(), "cpu_matmul": emulated})
 
 
 def test_loaded_build_info_is_the_compiled_metadata():
