@@ -8,7 +8,7 @@
     fastmesh bench --device cuda                 # on GPUs (distributed families need two or more)
 
 Single-process families (``fp8_quantize``, ``amax``) run in this process with every core. Distributed families
-(``fused_collectives``, ``sweep``, ``tp_block``) run on ranks started here with torch's elastic launcher
+(``fused_collectives``, ``sweep``, ``tp_block``, ``hf_model``) run on ranks started here with torch's elastic launcher
 (``torch.distributed.launcher.api.elastic_launch``, what ``torchrun`` uses), ``--world`` of them (default 2 on CPU,
 every GPU on CUDA), with ``cores // world`` intra-op threads each; or, under ``torchrun``, on its world.
 """
@@ -22,12 +22,31 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from fastmesh.bench import fp8_quantize, fused_collectives, host, launch, machine, plots, report, sweep, tp_block
+from fastmesh.bench import (
+    fp8_quantize,
+    fused_collectives,
+    hf_model,
+    host,
+    launch,
+    machine,
+    plots,
+    report,
+    sweep,
+    tp_block,
+)
 from fastmesh.bench.family import DTYPES, Context
 from fastmesh.bench.timing import clock_for
 
 FAMILIES = {
-    f.name: f for f in (*fp8_quantize.FAMILIES, host.FAMILY, fused_collectives.FAMILY, sweep.FAMILY, tp_block.FAMILY)
+    f.name: f
+    for f in (
+        *fp8_quantize.FAMILIES,
+        host.FAMILY,
+        fused_collectives.FAMILY,
+        sweep.FAMILY,
+        tp_block.FAMILY,
+        hf_model.FAMILY,
+    )
 }
 QUICK_REPEATS, QUICK_WARMUP, FULL_REPEATS, FULL_WARMUP = 5, 1, 15, 3
 

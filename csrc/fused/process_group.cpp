@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/debug.h>
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include <algorithm>
@@ -34,23 +35,29 @@ Group resolve_group(c10::string_view group_name, const char* op) {
   }
 }
 
-// torch 2.14 renames _allgather_base / _reduce_scatter_base to all_gather_single / reduce_scatter_single
-// and deprecates the old names; 2.11 has only the old ones. Both reach the same dispatcher ops.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+// torch 2.14 renames _allgather_base / _reduce_scatter_base to all_gather_single / reduce_scatter_single and
+// keeps the old names as deprecated forwarders, which a later torch may drop; 2.11-2.13 have only the old names.
+// Both reach the same dispatcher ops.
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 14
+#define FASTMESH_ALL_GATHER_SINGLE all_gather_single
+#define FASTMESH_REDUCE_SCATTER_SINGLE reduce_scatter_single
+#else
+#define FASTMESH_ALL_GATHER_SINGLE _allgather_base
+#define FASTMESH_REDUCE_SCATTER_SINGLE _reduce_scatter_base
+#endif
+
 Work start_all_gather(const Group& group, at::Tensor& output, at::Tensor& input) {
   c10d::AllgatherOptions options;
   options.asyncOp = true;
-  return group->_allgather_base(output, input, options);
+  return group->FASTMESH_ALL_GATHER_SINGLE(output, input, options);
 }
 
 Work start_reduce_scatter_sum(const Group& group, at::Tensor& output, at::Tensor& input) {
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   options.asyncOp = true;
-  return group->_reduce_scatter_base(output, input, options);
+  return group->FASTMESH_REDUCE_SCATTER_SINGLE(output, input, options);
 }
-#pragma GCC diagnostic pop
 
 Work start_all_reduce_sum(const Group& group, at::Tensor& tensor) {
   c10d::AllreduceOptions options;
@@ -65,7 +72,8 @@ bool point_to_point(const Group& group, const at::Device& device) {
   if (transport == Transport::kCollective) return false;
   const std::string backend = group->getBackend(device.type())->getBackendName();
   if (transport == Transport::kAuto) return backend == "gloo";
-  TORCH_CHECK_VALUE(backend != "nccl", "FASTMESH_TRANSPORT",
+  // "nccl" and its successors' names ("nccl2", ...) all post sends and receives the same way.
+  TORCH_CHECK_VALUE(backend.rfind("nccl", 0) != 0, "FASTMESH_TRANSPORT",
                     "=p2p cannot run on NCCL: the fused ops post each send and receive on its own, and NCCL "
                     "deadlocks on those outside a group call (use \"auto\" or \"collective\")");
   return true;
