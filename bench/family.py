@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 import torch
 from fastmesh.bench.figures import Case
 
+from fastmesh.info import half_precision_note
+
 DTYPES = ("float32", "bfloat16", "float8")
+# Marks a row's dtype, in the tables, where this CPU emulates that dtype's matmul (the family's notes say so).
+EMULATED_MARK = "(emulated)"
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class Context:
     cases: list[str]  # --case specs for this family; empty: the family's defaults
     clock: object
     fp8: tuple[str, ...] = ()  # --fp8: the FP8 forms of fused_collectives' float8 cases; empty: its defaults
+    # dtype name -> why figures in it say little: this CPU emulates its matmul (emulated_dtypes); measured once by
+    # the runner, so that every rank leaves out the same cases
+    emulated: dict = field(default_factory=dict)
     leader: bool = True  # prints progress and keeps the rows
     group: object = None
     mesh: object = None
@@ -51,14 +58,38 @@ class Context:
     notes: list[str] = field(default_factory=list)
     summary: dict = field(default_factory=dict)  # figures over all the family's cases (JSON only)
     _total: int = 0
+    _marked: dict = field(default_factory=dict)  # the emulated dtypes measure_dtypes kept
     _started: float = field(default_factory=time.perf_counter)
 
     def expect(self, total: int) -> None:
         """Announce how many cases the family will emit (for the progress line)."""
         self._total = total
 
+    def measured_dtypes(self, matmul_dtypes: dict[str, torch.dtype]) -> list[str]:
+        """The ``--dtype`` values this family measures, of ``matmul_dtypes`` (each name's cases -> the dtype their
+        matmuls run in). ``--quick`` without ``--case`` leaves out one whose matmul this CPU emulates (a case would
+        take minutes, not seconds), noting why and how to run it; a measured one is noted, and its rows' dtype is
+        marked in the tables."""
+        kept = []
+        for name in (d for d in self.dtypes if d in matmul_dtypes):
+            matmul = str(matmul_dtypes[name]).removeprefix("torch.")
+            slow = self.emulated.get(matmul)
+            if slow and matmul != name:
+                slow = f"its cases multiply in {matmul} too, and {slow}"
+            if slow and self.quick and not self.cases:
+                self.note(f"{name} left out of --quick: {slow} (run it with --only {self.family} --dtype {name})")
+                continue
+            if slow:
+                self._marked[name] = slow
+            kept.append(name)
+        return kept
+
     def emit(self, case: Case) -> None:
         row = case.row()
+        slow = self._marked.get(row["dtype"])
+        if slow:  # beside the figure, not only in the family's notes: the row is read alone too
+            row["emulated"] = slow
+            self.note(f"{EMULATED_MARK} {row['dtype']}: {slow}")
         self.rows.append(row)
         if self.leader:
             print(
@@ -77,16 +108,30 @@ class Context:
             print(f"  [{self.family}] note: {message}", flush=True)
 
 
+def emulated_dtypes(device_type: str) -> dict[str, str]:
+    """The ``DTYPES`` whose matmul this machine emulates (40-80x slower than float32 on an AVX2 CPU without
+    AVX512-BF16 / AMX), each with the sentence that says so."""
+    if device_type != "cpu":
+        return {}
+    notes = {name: half_precision_note(name) for name in DTYPES}
+    return {name: note for name, note in notes.items() if note}
+
+
 def progress_line(row: dict) -> str:
     kernel = row["kernel"]
     figure = row["figures"][kernel]
-    parts = [f"{row['case']} {row['dtype']}: {kernel} {figure['ms']['median']:.3g} ms"]
+    parts = [f"{row['case']} {dtype_text(row)}: {kernel} {figure['ms']['median']:.3g} ms"]
     if "plan" in row:
         parts[0] += f" ({plan_text(row)})"
     if "rate" in figure:
         parts.append(f"{figure['rate']['value']:.3g} {figure['rate']['unit']}")
     parts += [f"{name} {r['median']:.2f}" for name, r in row["ratios"].items()]
     return ", ".join(parts)
+
+
+def dtype_text(row: dict) -> str:
+    """A row's dtype as the tables show it: marked where this CPU emulates its matmul."""
+    return f"{row['dtype']} {EMULATED_MARK}" if row.get("emulated") else row["dtype"]
 
 
 def plan_text(row: dict) -> str:

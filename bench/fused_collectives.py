@@ -69,6 +69,8 @@ from fastmesh.ops.fp8_quantize import dequantize
 
 E4M3 = torch.float8_e4m3fn
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}  # float8: out dtype
+# What each dtype's cases multiply in: the --quick FP8 forms (row-wise, tensor-wise) in FP8, torch._scaled_mm.
+MATMUL_DTYPES = {**TORCH_DTYPES, "float8": torch.float8_e4m3fn}
 # The FP8 forms (``--fp8``), by a's scale granularity, and the config that quantizes a per row and b per output
 # column in it ("block": a in 1x128 blocks, b in 128x128).
 _FP8_CONFIGS = {
@@ -671,7 +673,7 @@ def _symm_mem_note(ctx: Context, runner) -> str | None:
 def cases(ctx: Context, full: dict, quick: dict, fp8_granularities: tuple = FP8_GRANULARITIES):
     """(spec, dtype name, FP8 granularity or None) of each case: the --case specs, else ``quick`` or ``full``'s
     specs of each dtype; float8 in each of ``fp8_granularities``."""
-    for dtype_name in (d for d in ctx.dtypes if d in TORCH_DTYPES):
+    for dtype_name in ctx.measured_dtypes(MATMUL_DTYPES):
         for spec in ctx.cases or (quick if ctx.quick else full)[dtype_name]:
             for granularity in fp8_granularities if dtype_name == "float8" else (None,):
                 yield parse_spec(spec, ctx.group.size(), ctx.family), dtype_name, granularity

@@ -41,8 +41,6 @@ from fastmesh.bench.figures import Case, Contender
 from fastmesh.bench.timing import time_slowest_rank
 from fastmesh.bench.tp_block import exposed_communication
 
-from fastmesh.info import half_precision_note
-
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYERS, HEAD_DIM, VOCAB = 2, 64, 1024
 FULL_SHAPES = ["4x128x256x512", "8x256x512x1024", "1x32x256x512", "2x512x256x1024"]
@@ -162,13 +160,7 @@ def run(ctx: Context) -> None:
     if ctx.quick:
         ctx.note("--quick: eager only (without --quick the compiled steps are timed too)")
     cases = []
-    for dtype_name in (d for d in ctx.dtypes if d in TORCH_DTYPES):
-        slow = half_precision_note(dtype_name) if ctx.device.type == "cpu" else None
-        if slow and ctx.quick and not ctx.cases:
-            ctx.note(f"{dtype_name} left out of --quick: {slow} (run it with --only hf_model --dtype {dtype_name})")
-            continue
-        if slow:
-            ctx.note(f"{dtype_name}: {slow}")
+    for dtype_name in ctx.measured_dtypes(TORCH_DTYPES):
         for spec in ctx.cases or (QUICK_SHAPES if ctx.quick else FULL_SHAPES):
             cases.append((parse_case(spec, world), spec, dtype_name))
     ctx.expect(len(cases))

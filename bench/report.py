@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from fastmesh.bench.family import plan_text
+from fastmesh.bench.family import dtype_text, plan_text
 from fastmesh.bench.machine import summary_lines
 
 _KIND_ORDER = {"kernel": 0, "variant": 1, "baseline": 2, "part": 3, "bound": 4}
@@ -45,6 +45,7 @@ def table(family: str, rows: list[dict]) -> str:
     """A family's rows as a text table: each contender's median ms ±IQR, the kernel's rate, every ratio."""
     contenders, ratios, kernel_rate_unit, planned = _columns(rows)
     case_width = max(len(r["case"]) for r in rows)
+    dtype_width = max(8, *(len(dtype_text(r)) for r in rows))
     titles = [f"{name} ms" for name in contenders] + ([kernel_rate_unit] if kernel_rate_unit else []) + ratios
     widths = [max(len(t), 11) for t in titles]
     if planned:
@@ -53,7 +54,7 @@ def table(family: str, rows: list[dict]) -> str:
     lines = [
         f"{family}: median ±IQR over the rounds; ratios per round (speedup_vs_X = X / kernel, "
         "kernel_over_bound = kernel / bound)",
-        f"{'case':{case_width}s} {'dtype':8s} " + " ".join(f"{t:>{w}s}" for t, w in zip(titles, widths)),
+        f"{'case':{case_width}s} {'dtype':{dtype_width}s} " + " ".join(f"{t:>{w}s}" for t, w in zip(titles, widths)),
     ]
     for row in rows:
         cells = [
@@ -66,7 +67,8 @@ def table(family: str, rows: list[dict]) -> str:
         if planned:
             cells.insert(1, plan_text(row))
         lines.append(
-            f"{row['case']:{case_width}s} {row['dtype']:8s} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths))
+            f"{row['case']:{case_width}s} {dtype_text(row):{dtype_width}s} "
+            + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths))
         )
     return "\n".join(lines)
 
@@ -79,7 +81,7 @@ def markdown(family: str, rows: list[dict]) -> str:
         titles.insert(3, "plan")
     lines = [f"| {' | '.join(titles)} |", "|" + "---|" * len(titles)]
     for row in rows:
-        cells = [row["case"], row["dtype"]]
+        cells = [row["case"], dtype_text(row)]
         cells += [
             f"{row['figures'][name]['ms']['median']:.3g}" if name in row["figures"] else "-" for name in contenders
         ]

@@ -16,6 +16,7 @@ every GPU on CUDA), with ``cores // world`` intra-op threads each; or, under ``t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -34,7 +35,7 @@ from fastmesh.bench import (
     sweep,
     tp_block,
 )
-from fastmesh.bench.family import DTYPES, Context
+from fastmesh.bench.family import DTYPES, Context, emulated_dtypes
 from fastmesh.bench.timing import clock_for
 
 FAMILIES = {
@@ -63,6 +64,7 @@ class Plan:
     dtypes: tuple[str, ...]
     cases: dict[str, list[str]] = field(default_factory=dict)
     fp8: tuple[str, ...] = ()  # fused_collectives' FP8 forms; empty: its defaults
+    emulated: dict[str, str] = field(default_factory=dict)  # family.emulated_dtypes of this machine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +165,8 @@ def _plan(args, parser, device_type: str, world: int) -> Plan:
     if args.fp8 and (fused_collectives.FAMILY.name not in families or "float8" not in args.dtype):
         parser.error("--fp8 selects the FP8 forms of fused_collectives: it needs that family and --dtype float8")
     fp8 = tuple(dict.fromkeys(args.fp8))  # in the given order, once each
-    return Plan(families, device_type, args.quick, repeats, warmup, tuple(args.dtype), cases, fp8)
+    emulated = emulated_dtypes(device_type)
+    return Plan(families, device_type, args.quick, repeats, warmup, tuple(args.dtype), cases, fp8, emulated)
 
 
 def _context(plan: Plan, name: str, leader: bool, group=None, mesh=None) -> Context:
@@ -182,6 +185,7 @@ def _context(plan: Plan, name: str, leader: bool, group=None, mesh=None) -> Cont
         cases=plan.cases.get(name, []),
         clock=clock_for(device),
         fp8=plan.fp8,
+        emulated=plan.emulated,
         leader=leader,
         group=group,
         mesh=mesh,
@@ -224,7 +228,11 @@ def _distributed_on_world(plan: Plan) -> dict | None:
 
     def run(mesh) -> dict | None:
         leader = dist.get_rank() == 0
-        results = _run_families(plan, _distributed_names(plan), leader, mesh.get_group(), mesh)
+        # Under torchrun each rank measured its CPU: rank 0's finding decides, so that every rank runs the same cases.
+        emulated = [plan.emulated]
+        dist.broadcast_object_list(emulated, src=0, group=mesh.get_group())
+        ranks_plan = dataclasses.replace(plan, emulated=emulated[0])
+        results = _run_families(ranks_plan, _distributed_names(plan), leader, mesh.get_group(), mesh)
         return results if leader else None
 
     return launch.on_world_mesh(plan.device_type, run)
@@ -287,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtypes": list(plan.dtypes),
         "cases": plan.cases,
         "fp8": list(plan.fp8),
+        "emulated_dtypes": plan.emulated,
         "allocator": allocator,
         "launcher": "torchrun" if under_torchrun else "elastic_launch",
         "world": world,

@@ -316,7 +316,7 @@ def run(ctx: Context) -> None:
     torch._functorch.config.enable_autograd_cache = False
     world = ctx.group.size()
     cases = []
-    for dtype_name in (d for d in ctx.dtypes if d in TORCH_DTYPES):
+    for dtype_name in ctx.measured_dtypes(TORCH_DTYPES):
         for spec in ctx.cases or (QUICK_SHAPES if ctx.quick else FULL_SHAPES):
             shape, form = parse_case(spec, world)
             cases.append((shape, form, spec, dtype_name))

@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 import rank_pool
+import triton_interpreter
 from hypothesis import settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
@@ -52,6 +53,13 @@ def _fastmesh_settings_follow_the_environment():
     _reload_fastmesh_settings()
 
 
+def pytest_collection_finish(session):
+    triton_interpreter.start_in_background(
+        item.path for item in session.items if item.get_closest_marker(triton_interpreter.MARK)
+    )
+
+
 def pytest_unconfigure(config):
+    triton_interpreter.stop_background()
     rank_pool.close_pools()
     shutil.rmtree(_inductor_cache_dir, ignore_errors=True)

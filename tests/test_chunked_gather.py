@@ -37,6 +37,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, re
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@pytest.mark.triton_interpreter
 def test_under_triton_interpreter():
     run_module_under_interpreter(__file__)
 

@@ -48,6 +48,7 @@ needs_interpreter = pytest.mark.skipif(
 needs_cuda = pytest.mark.skipif(not HAVE_CUDA or INTERPRETED, reason="needs a CUDA GPU (and compiled kernels)")
 
 
+@pytest.mark.triton_interpreter
 def test_kernels_under_triton_interpreter():
     run_module_under_interpreter(__file__)
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from graph_census import GraphCensus, graph_census
 from rank_pool import on_ranks
-from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
-from torch_support import ROWWISE_ON_CPU
+from torch_support import NEEDS_ROWWISE_ON_CPU, ROWWISE_ON_CPU
 
 import fastmesh.compile
 from fastmesh import settings
@@ -41,63 +41,59 @@ from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
 # measured differences ~1e-6 on outputs and gradients of order 1; a wrong block or a lost term is O(1) off.
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
 
-_FUSED_OPS = {
-    torch.ops.fastmesh.all_gather_matmul.default: "all_gather_matmul",
-    torch.ops.fastmesh.matmul_reduce_scatter.default: "matmul_reduce_scatter",
-    torch.ops._c10d_functional.all_gather_into_tensor.default: "native_all_gather",
-    torch.ops._c10d_functional.reduce_scatter_tensor.default: "native_reduce_scatter",
-}
-
-
-class _GraphCensus:
-    """A post-grad pass installed *before* enable_fusion, so that it runs after fastmesh's pass (which keeps
-    and calls the previous pass): it records the collectives and fused ops each graph ends up with."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, graph):
-        kind = (
-            "backward"
-            if any(n.name.startswith("tangents") for n in graph.nodes if n.op == "placeholder")
-            else "forward"
-        )
-        ops = [(_FUSED_OPS[n.target], n) for n in graph.nodes if n.target in _FUSED_OPS]
-        self.graphs.append(
-            {
-                "kind": kind,
-                "ops": sorted(name for name, _ in ops),
-                "gather_bs": sorted(len(n.args[1]) for name, n in ops if name == "all_gather_matmul"),
-            }
-        )
-
 
 @contextlib.contextmanager
-def _fusion(strict=False, census=None, tune="off"):
-    """The pass installed (after ``census``, which therefore runs after it), a fresh report, and inductor's
-    caches off: a graph served from a cache (here: one another rank or test compiled) does not run the pass.
-    ``tune``: FASTMESH_TUNE inside the block; "off" (the fixed plan, always fused) for the tests of what the
-    pass can fuse, whose shapes are too small for fusing to pay."""
+def _fusion(strict=False, tune="off"):
+    """The pass installed, a fresh report, inductor's caches off (a graph served from a cache does not run the
+    pass); yields the census of the final graphs (tests/graph_census.py). ``tune``: FASTMESH_TUNE inside the
+    block; "off" (the fixed plan, always fused) for the tests of what the pass can fuse, whose shapes are too
+    small for fusing to pay.
+
+    When the block ends, each graph's ops are checked against the report, so that a rewrite the report claims
+    but the graph lacks fails every test that compiles here: each collective reported fused is one native
+    collective fewer and one fastmesh op more than the graph held before any post-grad pass."""
     saved_tune = os.environ.get("FASTMESH_TUNE")
     os.environ["FASTMESH_TUNE"] = tune
     settings.reload()
-    saved = inductor_config.post_grad_custom_post_pass
-    inductor_config.post_grad_custom_post_pass = census
-    fastmesh.compile.enable_fusion(strict=strict)
-    fastmesh.compile.fusion_report(reset=True)
+    before = GraphCensus()
     torch._dynamo.reset()
     try:
-        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-            yield
+        with graph_census(before=before) as after:
+            fastmesh.compile.enable_fusion(strict=strict)
+            fastmesh.compile.fusion_report(reset=True)
+            try:
+                yield after
+                _assert_graphs_hold_the_report(before, after, fastmesh.compile.fusion_report())
+            finally:
+                fastmesh.compile.disable_fusion()
     finally:
-        fastmesh.compile.disable_fusion()
-        inductor_config.post_grad_custom_post_pass = saved
         torch._dynamo.reset()
         if saved_tune is None:
             os.environ.pop("FASTMESH_TUNE")
         else:
             os.environ["FASTMESH_TUNE"] = saved_tune
         settings.reload()
+
+
+def _assert_graphs_hold_the_report(before: GraphCensus, after: GraphCensus, report) -> None:
+    """Each collective reported fused is gone from its graph; each fused op reported is in it (a row-wise scales'
+    gather rides its data's op: reported fused with 0 matmuls, no op of its own)."""
+    # A graph whose compile strict mode stopped (the test expects it to raise) reaches no later pass: the last.
+    assert len(before.graphs) == len(report.graphs) and len(after.graphs) in (
+        len(report.graphs),
+        len(report.graphs) - 1,
+    ), (before.graphs, after.graphs, str(report))
+    if len(after.graphs) < len(report.graphs):
+        assert not any(e.fused for e in report.entries if e.graph == len(after.graphs)), str(report)
+    for index, ((kind, ops_before), (_, ops_after)) in enumerate(zip(before.graphs, after.graphs)):
+        fused = [e for e in report.entries if e.graph == index and e.fused]
+        natives_before = sum(n for name, n in ops_before.items() if name.startswith("native."))
+        natives_after = sum(n for name, n in ops_after.items() if name.startswith("native."))
+        context = (index, kind, ops_before, ops_after, str(report))
+        assert natives_before - natives_after == len(fused), context
+        for op in {e.fused_into for e in fused}:
+            made = sum(e.fused_into == op and e.matmuls > 0 for e in fused)
+            assert ops_after[op] - ops_before[op] == made, (op, *context)
 
 
 def _randn(shape, seed):
@@ -136,8 +132,7 @@ def test_native_block_compiles_to_fused_ops_with_equal_results():
 
         want = [_block_step(block, run, _randn((2, n, args.dim), n), world) for n in lengths]
 
-        census = _GraphCensus()
-        with _fusion(strict=True, census=census):
+        with _fusion(strict=True) as census:
             fused = torch.compile(run, fullgraph=True, dynamic=True)
             got = [_block_step(block, fused, _randn((2, n, args.dim), n), world) for n in lengths]
             report = fastmesh.compile.fusion_report()
@@ -151,20 +146,19 @@ def test_native_block_compiles_to_fused_ops_with_equal_results():
                 )
 
         # One forward and one backward graph for both lengths (dynamic: no recompile).
-        assert [g["kind"] for g in census.graphs] == ["forward", "backward"], (case, census.graphs)
-        forward, backward = census.graphs
+        assert [kind for kind, _ in census.graphs] == ["forward", "backward"], (case, census.graphs)
+        (_, forward), (_, backward) = census.graphs
         # Forward: the attention input gathered once for q/k/v and the FFN input once for w1/w3; wo and w2
         # reduce-scattered.
-        assert forward["ops"] == ["all_gather_matmul"] * 2 + ["matmul_reduce_scatter"] * 2, (case, forward)
-        assert forward["gather_bs"] == [2, 3], (case, forward)
+        assert forward == {"fastmesh.all_gather_matmul": 2, "fastmesh.matmul_reduce_scatter": 2}, (case, forward)
+        assert sorted(n for kind, n in census.gather_bs if kind == "forward") == [2, 3], (case, census.gather_bs)
         # Backward: the output gradients of wo and w2 gathered (dgrad), the input gradients of q/k/v and of
         # w1/w3 (sums of matmuls) reduce-scattered. Checkpointing recomputes both input gathers and the
         # attention's output projection (the FFN's w2 output is not needed to recompute anything).
-        recomputed = ["all_gather_matmul"] * 2 + ["matmul_reduce_scatter"] if checkpointed else []
-        assert backward["ops"] == sorted(["all_gather_matmul"] * 2 + ["matmul_reduce_scatter"] * 2 + recomputed), (
-            case,
-            backward,
-        )
+        recomputed = {"all_gather_matmul": 2, "matmul_reduce_scatter": 1} if checkpointed else {}
+        assert backward == {
+            f"fastmesh.{op}": 2 + recomputed.get(op, 0) for op in ("all_gather_matmul", "matmul_reduce_scatter")
+        }, (case, backward)
         assert all(e.fused for e in report.entries), (case, str(report))
         assert report.count("fastmesh.matmul_reduce_scatter", "backward") == 2 + checkpointed, (case, str(report))
 
@@ -637,11 +631,9 @@ def _inputs():
 
 
 def _pattern_params():
-    # Skipped here: the ranks run the test body, and a skip raised there would be a rank's failure.
-    no_rowwise = pytest.mark.skipif(
-        not ROWWISE_ON_CPU, reason=f"torch {torch.__version__}'s CPU _scaled_mm takes tensor-wise scales only"
-    )
-    return [pytest.param(name, marks=no_rowwise if name in ROWWISE_PATTERNS else ()) for name in sorted(PATTERNS)]
+    return [
+        pytest.param(name, marks=NEEDS_ROWWISE_ON_CPU if name in ROWWISE_PATTERNS else ()) for name in sorted(PATTERNS)
+    ]
 
 
 @on_ranks(2, timeout=300)

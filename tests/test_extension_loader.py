@@ -50,6 +50,7 @@ def test_undefined_symbol_is_explained(monkeypatch):
         _cpp_lib._import_installed()
 
 
+@pytest.mark.slow  # compiles every C++ source: ~3 minutes on 2 cores
 def test_jit_build_compiles_sources_into_cache(tmp_path):
     if not os.path.isdir(_build_config.csrc_dir()):
         pytest.skip("the JIT path needs a source checkout")

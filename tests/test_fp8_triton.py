@@ -50,6 +50,7 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
+@pytest.mark.triton_interpreter
 def test_kernels_under_triton_interpreter():
     run_module_under_interpreter(__file__)
 

@@ -17,12 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from comm_counts import c10d_calls, p2p_pieces
+from environment import environment
 from fastmesh.kernels import fused_reference as ref
+from graph_census import COMPILE_MODES, assert_compiled_path, graph_census
 from rank_pool import on_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from torch_support import NATIVE_PLAN_RUNS_UNEVEN_SEQUENCES, layer_input
 
 import fastmesh
+from fastmesh.ops import plans
 
 WORLD = "WORLD"  # placeholder: ranks resolve it to the default group's name
 
@@ -429,17 +432,23 @@ def _tp_block(x_shard, w_q, w_k, w_o):
 def test_compile_fullgraph_matches_eager():
     rank = dist.get_rank()
     torch._dynamo.reset()
-    for backend in ("aot_eager", "inductor"):
+    for backend, tune in COMPILE_MODES:
         results = []
-        for compiled in (False, True):
-            x = randn((2, 5, 8), torch.float32, seed=rank).requires_grad_()
-            ws = [randn(s, torch.float32, seed=i).requires_grad_() for i, s in enumerate([(8, 6), (8, 6), (6, 8)])]
-            fn = torch.compile(_tp_block, fullgraph=True, backend=backend) if compiled else _tp_block
-            out = fn(x, *ws)
-            out.sum().backward()
-            results.append([out, x.grad, *(w.grad for w in ws)])
+        with environment(FASTMESH_TUNE=tune), graph_census() as census:
+            for compiled in (False, True):
+                x = randn((2, 5, 8), torch.float32, seed=rank).requires_grad_()
+                shapes = [(8, 6), (8, 6), (6, 8)]
+                ws = [randn(s, torch.float32, seed=i).requires_grad_() for i, s in enumerate(shapes)]
+                fn = torch.compile(_tp_block, fullgraph=True, backend=backend) if compiled else _tp_block
+                out = fn(x, *ws)
+                out.sum().backward()
+                results.append([out, x.grad, *(w.grad for w in ws)])
         for got, want in zip(*results):
-            torch.testing.assert_close(got, want, msg=lambda m: f"{backend}: {m}")
+            torch.testing.assert_close(got, want, msg=lambda m: f"{backend}, {tune}: {m}")
+        if backend == "inductor":
+            assert_compiled_path(census, tune, ("fastmesh.all_gather_matmul", "fastmesh.matmul_reduce_scatter"))
+        torch._dynamo.reset()
+    plans.forget()
 
 
 # ---- world of one, DTensor ----

@@ -7,6 +7,7 @@ overhead is paid once per test.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from comm_counts import c10d_calls, p2p_pieces
 from environment import environment
+from graph_census import COMPILE_MODES, assert_compiled_path, graph_census
 from rank_pool import on_ranks
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 
@@ -137,13 +139,14 @@ def _lm_head(h, w1, w_out):
 
 @on_ranks(2)
 def test_compile_fullgraph_matches_eager():
-    # Inductor's caches stay on: the ranks share them, so a rank-dependent compiled backward would be loaded by
-    # the other rank (the reason for fastmesh::rank_columns).
+    # Inductor's caches stay on under the model: the ranks share them, so a rank-dependent compiled backward would
+    # be loaded by the other rank (the reason for fastmesh::rank_columns). The census, which needs them off (a
+    # cached graph runs no post-grad pass), checks the fused path.
     rank = dist.get_rank()
     torch._dynamo.reset()
-    for backend, tune in (("aot_eager", "model"), ("inductor", "model"), ("inductor", "off")):
-        # "model": these tiny shapes plan unfused, so inductor traces the gather as its collective; "off": the op.
-        with environment(FASTMESH_TUNE=tune):
+    for backend, tune in COMPILE_MODES:
+        census_or_not = graph_census() if tune == "off" else contextlib.nullcontext()
+        with environment(FASTMESH_TUNE=tune), census_or_not as census:
             results = []
             for compiled in (False, True):
                 h = small_ints((2, 5, 8), torch.float32, seed=1).requires_grad_()
@@ -155,7 +158,9 @@ def test_compile_fullgraph_matches_eager():
                 results.append([out, h.grad, w1.grad, w_out.grad])
             for got, want in zip(*results):
                 assert torch.equal(got, want), (backend, tune)
-            torch._dynamo.reset()
+        if census is not None:
+            assert_compiled_path(census, tune, ("fastmesh.matmul_all_gather",))
+        torch._dynamo.reset()
     plans.forget()
 
 

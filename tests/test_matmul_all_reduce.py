@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from comm_counts import c10d_calls
 from environment import environment
+from graph_census import COMPILE_MODES, assert_compiled_path, graph_census
 from rank_pool import on_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from torch_support import ROWWISE_ON_CPU
@@ -162,21 +163,24 @@ def _row_parallel_block(x, w1, w2):
 def test_compile_fullgraph_matches_eager():
     rank = dist.get_rank()
     torch._dynamo.reset()
-    for backend in ("aot_eager", "inductor"):
+    for backend, tune in COMPILE_MODES:
         results = []
-        for compiled in (False, True):
-            x = small_ints((2, 5, 8), torch.float32, seed=1).requires_grad_()
-            w1 = small_ints((8, 6), torch.float32, seed=10 + rank).requires_grad_()
-            w2 = small_ints((6, 8), torch.float32, seed=20 + rank).requires_grad_()
-            fn = _row_parallel_block
-            if compiled:
-                fn = torch.compile(fn, fullgraph=True, backend=backend)
-            out = fn(x, w1, w2)
-            out.sum().backward()
-            results.append([out, x.grad, w1.grad, w2.grad])
+        with environment(FASTMESH_TUNE=tune), graph_census() as census:
+            for compiled in (False, True):
+                x = small_ints((2, 5, 8), torch.float32, seed=1).requires_grad_()
+                w1 = small_ints((8, 6), torch.float32, seed=10 + rank).requires_grad_()
+                w2 = small_ints((6, 8), torch.float32, seed=20 + rank).requires_grad_()
+                fn = _row_parallel_block
+                if compiled:
+                    fn = torch.compile(fn, fullgraph=True, backend=backend)
+                out = fn(x, w1, w2)
+                out.sum().backward()
+                results.append([out, x.grad, w1.grad, w2.grad])
         for got, want in zip(*results):
-            assert torch.equal(got, want), backend
-    torch._dynamo.reset()
+            assert torch.equal(got, want), (backend, tune)
+        if backend == "inductor":
+            assert_compiled_path(census, tune, ("fastmesh.matmul_all_reduce",))
+        torch._dynamo.reset()
     plans.forget()
 
 

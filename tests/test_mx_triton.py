@@ -55,6 +55,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@pytest.mark.triton_interpreter
 def test_kernel_under_triton_interpreter():
     run_module_under_interpreter(__file__)
 

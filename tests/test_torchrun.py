@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 
+import pytest
 from rank_pool import PACKAGE_ROOT
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -141,6 +142,7 @@ def losses(output: str) -> dict[str, dict[int, float]]:
     return found
 
 
+@pytest.mark.slow  # 4 fresh processes, each importing torch: ~70 s on 2 cores
 def test_two_node_launch_trains_on_a_dp_by_tp_mesh(tmp_path):
     """``torchrun --nnodes 2 --nproc-per-node 2`` twice on this host (c10d rendezvous): 4 ranks, a (dp=2, tp=2)
     mesh with each tp group on one node; the example trains under both plans, which agree, and matches the

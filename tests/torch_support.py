@@ -1,5 +1,6 @@
 """What the installed torch can do, where a test depends on its version (fastmesh supports torch 2.11 to 2.14)."""
 
+import pytest
 import torch
 from fastmesh.bench.fused_collectives import rowwise_scaled_mm_on_cpu
 
@@ -7,6 +8,10 @@ TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].spli
 
 # torch._scaled_mm takes row-wise scales on CPU from 2.13 (tensor-wise only before): the rule the benchmarks skip by.
 ROWWISE_ON_CPU = rowwise_scaled_mm_on_cpu()
+# For a row-wise case parametrized on the ranks' tests: a skip raised in a rank's body would be that rank's failure.
+NEEDS_ROWWISE_ON_CPU = pytest.mark.skipif(
+    not ROWWISE_ON_CPU, reason=f"torch {torch.__version__}'s CPU _scaled_mm takes tensor-wise scales only (2.13 on)"
+)
 
 # torch 2.11 gives a *leaf* DTensor sharded unevenly along a dim past the first a wrong gradient through to_local
 # (the backward's DTensor has the stride of an even shard; AccumulateGrad then makes it Replicate() with rank 0's
