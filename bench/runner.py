@@ -16,11 +16,10 @@ every GPU on CUDA), with ``cores // world`` intra-op threads each; or, under ``t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from fastmesh.bench import (
@@ -37,6 +36,7 @@ from fastmesh.bench import (
 )
 from fastmesh.bench.family import DTYPES, Context, emulated_dtypes
 from fastmesh.bench.timing import clock_for
+from torch._inductor import config as inductor_config
 
 FAMILIES = {
     f.name: f
@@ -219,6 +219,9 @@ def _rank_main(threads: int, plan: Plan) -> dict | None:
     """A rank started by :func:`launch.launch`: the distributed families on the launcher's world."""
     launch.keep_freed_memory()
     torch.set_num_threads(threads)
+    # Inductor's compile workers share the cores as the intra-op threads do: as many per rank (its default, one per
+    # core on every rank, oversubscribes them).
+    inductor_config.compile_threads = threads
     return _distributed_on_world(plan)
 
 
@@ -231,7 +234,7 @@ def _distributed_on_world(plan: Plan) -> dict | None:
         # Under torchrun each rank measured its CPU: rank 0's finding decides, so that every rank runs the same cases.
         emulated = [plan.emulated]
         dist.broadcast_object_list(emulated, src=0, group=mesh.get_group())
-        ranks_plan = dataclasses.replace(plan, emulated=emulated[0])
+        ranks_plan = replace(plan, emulated=emulated[0])
         results = _run_families(ranks_plan, _distributed_names(plan), leader, mesh.get_group(), mesh)
         return results if leader else None
 
