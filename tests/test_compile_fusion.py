@@ -21,20 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from environment import environment
 from graph_census import GraphCensus, graph_census
 from rank_pool import on_ranks
 from torch._inductor import config as inductor_config
 from torch_support import NEEDS_ROWWISE_ON_CPU, ROWWISE_ON_CPU
 
 import fastmesh.compile
-from fastmesh import settings
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
 
 # The fused ops sum in a different order than the unfused graph (pieces; one matmul for a sum of matmuls):
@@ -52,13 +51,10 @@ def _fusion(strict=False, tune="off"):
     When the block ends, each graph's ops are checked against the report, so that a rewrite the report claims
     but the graph lacks fails every test that compiles here: each collective reported fused is one native
     collective fewer and one fastmesh op more than the graph held before any post-grad pass."""
-    saved_tune = os.environ.get("FASTMESH_TUNE")
-    os.environ["FASTMESH_TUNE"] = tune
-    settings.reload()
     before = GraphCensus()
     torch._dynamo.reset()
     try:
-        with graph_census(before=before) as after:
+        with environment(FASTMESH_TUNE=tune), graph_census(before=before) as after:
             fastmesh.compile.enable_fusion(strict=strict)
             fastmesh.compile.fusion_report(reset=True)
             try:
@@ -68,11 +64,6 @@ def _fusion(strict=False, tune="off"):
                 fastmesh.compile.disable_fusion()
     finally:
         torch._dynamo.reset()
-        if saved_tune is None:
-            os.environ.pop("FASTMESH_TUNE")
-        else:
-            os.environ["FASTMESH_TUNE"] = saved_tune
-        settings.reload()
 
 
 def _assert_graphs_hold_the_report(before: GraphCensus, after: GraphCensus, report) -> None:
