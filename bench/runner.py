@@ -1,6 +1,6 @@
 """``fastmesh bench``: runs the benchmark families, prints a table per family, writes JSON and PNG plots.
 
-    fastmesh bench --quick                       # every family, small (a few minutes on 2 CPU cores)
+    fastmesh bench --quick                       # every family, small (about 80 s on 2 CPU cores)
     fastmesh bench                               # every family, the full case lists
     fastmesh bench --only fused_collectives --dtype float32 --case fused_collectives=ag:4096x4096:0:1024
     fastmesh bench --only fused_collectives --dtype float8 --fp8 rowwise mx block   # these FP8 forms

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 import torch
-from fastmesh.bench import figures, fused_collectives, runner
+from fastmesh.bench import figures, fused_collectives, report, runner
+from fastmesh.bench.family import Context, dtype_text
 
 TINY_CASES = [
     "fp8_quantize=256x256",
@@ -319,3 +320,50 @@ def test_ratios_are_per_round_and_figures_must_be_positive():
         broken = figures.Case("demo", "c", "float32", "k", {"k": figures.Contender("kernel", [1.0, bad])})
         with pytest.raises(ValueError, match="is not a positive finite number"):
             broken.row()
+
+
+def _context(quick: bool, cases: list[str]) -> Context:
+    emulated = {"bfloat16": "this CPU (AVX2) has no native bfloat16 matmul: 1.3 GFLOP/s"}
+    return Context(
+        family="tp_block",
+        device=torch.device("cpu"),
+        quick=quick,
+        repeats=2,
+        warmup=0,
+        dtypes=("float32", "bfloat16", "float8"),
+        cases=cases,
+        clock=None,
+        emulated=emulated,
+        leader=False,
+    )
+
+
+def test_emulated_dtypes_are_left_out_of_quick_and_marked_elsewhere():
+    matmul_dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}
+    quick = _context(quick=True, cases=[])
+    assert quick.measured_dtypes(matmul_dtypes) == ["float32"]
+    assert quick.notes == [
+        "bfloat16 left out of --quick: this CPU (AVX2) has no native bfloat16 matmul: 1.3 GFLOP/s "
+        "(run it with --only tp_block --dtype bfloat16)",
+        "float8 left out of --quick: its cases multiply in bfloat16 too, and this CPU (AVX2) has no native "
+        "bfloat16 matmul: 1.3 GFLOP/s (run it with --only tp_block --dtype float8)",
+    ]
+    # A float8 whose cases multiply in FP8 is not emulated.
+    assert _context(quick=True, cases=[]).measured_dtypes({**matmul_dtypes, "float8": torch.float8_e4m3fn}) == [
+        "float32",
+        "float8",
+    ]
+    # Asked for by --case, or a full run: measured, each row's dtype marked in the tables.
+    for ctx in (_context(quick=True, cases=["2x64x256x256"]), _context(quick=False, cases=[])):
+        assert ctx.measured_dtypes(matmul_dtypes) == ["float32", "bfloat16", "float8"]
+        for dtype in ("float32", "bfloat16"):
+            ctx.emit(
+                figures.Case(
+                    "tp_block", "block", dtype, "fastmesh", {"fastmesh": figures.Contender("kernel", [1.0, 1.1])}
+                )
+            )
+        float32_row, bfloat16_row = ctx.rows
+        assert dtype_text(float32_row) == "float32" and "emulated" not in float32_row
+        assert dtype_text(bfloat16_row) == "bfloat16 (emulated)"
+        assert bfloat16_row["emulated"] == "this CPU (AVX2) has no native bfloat16 matmul: 1.3 GFLOP/s"
+        assert "bfloat16 (emulated)" in report.markdown("tp_block", ctx.rows)
