@@ -29,7 +29,11 @@ def interpreter_incompatibility() -> str | None:
     0-dimensional arrays can be converted to Python scalars; seen with triton 3.6.0 + numpy 2.4.6, while
     numpy 2.3.5 works); triton 3.8 squeezes them first."""
     import numpy
-    import triton
+
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed (a CPU-only torch does not bring it)"
 
     if _version(triton.__version__) < (3, 8) and _version(numpy.__version__) >= (2, 4):
         return (
@@ -81,9 +85,10 @@ def _why_not() -> str | None:
 
 def start_in_background(test_files, timeout_s: float = 600) -> None:
     """Start the interpreter runs of ``test_files`` (in order, one at a time, niced) for their tests to collect."""
-    if _why_not():
+    test_files = [os.path.realpath(path) for path in test_files]
+    if not test_files or _why_not():
         return
-    for test_file in map(os.path.realpath, test_files):
+    for test_file in test_files:
         if test_file not in _runs:
             _runs[test_file] = _background.submit(_child_run, test_file, timeout_s, 10)
 
