@@ -58,7 +58,7 @@ class Context:
     notes: list[str] = field(default_factory=list)
     summary: dict = field(default_factory=dict)  # figures over all the family's cases (JSON only)
     _total: int = 0
-    _marked: dict = field(default_factory=dict)  # the emulated dtypes measure_dtypes kept
+    _marked: dict = field(default_factory=dict)  # the emulated dtypes measured_dtypes kept
     _started: float = field(default_factory=time.perf_counter)
 
     def expect(self, total: int) -> None:

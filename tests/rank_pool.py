@@ -395,8 +395,8 @@ def _init_rank(config: _WorkerConfig) -> None:
         LOCAL_RANK=str(config.rank),
         LOCAL_WORLD_SIZE=str(config.world_size),
     )
-    # Ranks share the machine's cores; more threads per rank only oversubscribe them.
-    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    # Ranks share the machine's cores; more threads per rank only oversubscribe them (inductor's compile workers:
+    # one per process, tests/conftest.py).
     torch.set_num_threads(1)
     if config.backend == "gloo":
         # A CPU pool: with CUDA hidden, code under test picks the CPU on any machine, as in CI.

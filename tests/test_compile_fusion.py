@@ -59,21 +59,23 @@ def _fusion(strict=False, tune="off"):
             fastmesh.compile.fusion_report(reset=True)
             try:
                 yield after
-                _assert_graphs_hold_the_report(before, after, fastmesh.compile.fusion_report())
+                _assert_graphs_hold_the_report(before, after, fastmesh.compile.fusion_report(), strict)
             finally:
                 fastmesh.compile.disable_fusion()
     finally:
         torch._dynamo.reset()
 
 
-def _assert_graphs_hold_the_report(before: GraphCensus, after: GraphCensus, report) -> None:
+def _assert_graphs_hold_the_report(before: GraphCensus, after: GraphCensus, report, strict: bool) -> None:
     """Each collective reported fused is gone from its graph; each fused op reported is in it (a row-wise scales'
     gather rides its data's op: reported fused with 0 matmuls, no op of its own)."""
     # A graph whose compile strict mode stopped (the test expects it to raise) reaches no later pass: the last.
-    assert len(before.graphs) == len(report.graphs) and len(after.graphs) in (
-        len(report.graphs),
-        len(report.graphs) - 1,
-    ), (before.graphs, after.graphs, str(report))
+    stopped = (len(report.graphs) - 1,) if strict else ()
+    assert len(before.graphs) == len(report.graphs) and len(after.graphs) in (len(report.graphs), *stopped), (
+        before.graphs,
+        after.graphs,
+        str(report),
+    )
     if len(after.graphs) < len(report.graphs):
         assert not any(e.fused for e in report.entries if e.graph == len(after.graphs)), str(report)
     for index, ((kind, ops_before), (_, ops_after)) in enumerate(zip(before.graphs, after.graphs)):

@@ -210,14 +210,11 @@ def test_swapped_plan_compiled_with_the_fusion_pass_gives_eagers_loss():
     native is left beside them. Inductor computes the float32 elementwise work in its own kernels, so the loss is
     compared within float32 rounding of a loss of ~4.9, not bitwise (measured: equal, or 1 ulp apart)."""
     from test_compile_fusion import _fusion
-    from torch._inductor import config as inductor_config
 
     import fastmesh.compile
 
     tokens, layers = _tokens(0), 1
-    # compile_threads=1: with 2 ranks on 2 cores, inductor's pool of compile workers made it slower (measured 39 s
-    # against 30 s, cold caches).
-    with _fusion(strict=True, tune="off") as census, inductor_config.patch(compile_threads=1):
+    with _fusion(strict=True, tune="off") as census:
         want = _model("swapped", layers)(input_ids=tokens, labels=tokens).loss.item()
         model = _model("swapped", layers)
         compiled = torch.compile(model, fullgraph=True)
