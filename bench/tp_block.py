@@ -34,6 +34,10 @@ slowest rank):
   profiled figures. On CUDA, NCCL's collectives are asynchronous, so the host is not blocked while they run:
   the profile then under-counts exposed communication and this bound is loose (too high).
 
+Beside the times: the bytes each contender's step keeps for backward (``saved_bytes`` in the details and a note
+per case; parameters left out), with ``shard_accounting``, the native plan's bytes with each gathered input kept
+as its shard (Megatron-LM's sequence parallelism: what fastmesh's plan keeps).
+
 Every contender's output and input gradient is checked against the native plan's before timing (compiled: the
 tolerance of inductor's fp32 intermediates; float8: a relative error bound). Compiling happens in that check,
 with inductor's graph caches off (a cached graph would not run the pass, whose report is checked).
@@ -64,6 +68,7 @@ from fastmesh.fp8 import Float8Config
 from fastmesh.ops._collectives import all_gather_into, reduce_scatter_into
 from fastmesh.testing.comm_profile import STEP_EVENT, cpu_profile, step_comm_times
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
+from fastmesh.testing.saved_bytes import saved_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}
 FP8_ROWWISE, FP8_TENSORWISE = Float8Config(granularity="rowwise"), Float8Config(granularity="tensorwise")
@@ -225,7 +230,7 @@ def block_steps(shape, form, dtype_name, mesh, note):
     # The compiled contenders share one code object (the lambda in _step): forget earlier cases' graphs so that
     # this case's three stay under dynamo's recompile limit (hitting it fails, see run()).
     torch._dynamo.reset()
-    steps, results, fused = {}, {}, None
+    steps, results, fused, saved_by = {}, {}, None, {}
     for name, (plan, fusion) in variants.items():
         torch.manual_seed(0)  # the same initial weights for every contender (each shards them from rank 0's)
         block = Block(args).to(device=mesh.device_type, dtype=dtype)
@@ -237,7 +242,9 @@ def block_steps(shape, form, dtype_name, mesh, note):
         steps[name] = _step(block, x, rope, fusion)
         fastmesh.compile.fusion_report(reset=True)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        results[name] = (steps[name](), x.grad)  # compiles a compiled contender
+        with saved_bytes(excluded=list(block.parameters())) as saved:
+            results[name] = (steps[name](), x.grad)  # compiles a compiled contender
+        saved_by[name] = saved.total
         if fusion is not None and torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs + 1:
             raise RuntimeError(f"rank {rank}: {name} did not compile its own graph")
         if fusion:
@@ -259,7 +266,19 @@ def block_steps(shape, form, dtype_name, mesh, note):
             else:
                 rtol, atol = (_TOLERANCES if variants[name][1] is None else _COMPILED_TOLERANCES)[dtype_name]
                 torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{where}: {m}")
-    return steps
+    return steps, saved_by
+
+
+def saved_for_backward(saved_by: dict[str, int], shape, form, dtype, world: int) -> dict[str, int]:
+    """Bytes each contender's step keeps for backward (parameters left out), and ``shard_accounting``: the native
+    plan's with each of the block's two gathered inputs kept as its shard, as Megatron-LM's sequence parallelism
+    keeps it (sequence-parallel form; plain TP gathers no input)."""
+    batch, seq_len, dim, _ = shape
+    saved = dict(saved_by)
+    if form.sequence_parallel:
+        shard = batch * seq_len // world * dim * dtype.itemsize
+        saved["shard_accounting"] = saved_by["native"] - 2 * (world - 1) * shard
+    return saved
 
 
 def comm_step(shape, form, dtype, group, device):
@@ -322,7 +341,12 @@ def run(ctx: Context) -> None:
             cases.append((shape, form, spec, dtype_name))
     ctx.expect(len(cases))
     for shape, form, spec, dtype_name in cases:
-        steps = block_steps(shape, form, dtype_name, ctx.mesh, ctx.note)
+        steps, saved_by = block_steps(shape, form, dtype_name, ctx.mesh, ctx.note)
+        saved = saved_for_backward(saved_by, shape, form, TORCH_DTYPES[dtype_name], world)
+        ctx.note(
+            f"{spec} {dtype_name}: saved for backward per step, MB: "
+            + ", ".join(f"{name} {saved_mb:.2f}" for name, saved_mb in ((n, b / 1e6) for n, b in saved.items()))
+        )
         steps["comm"] = comm_step(shape, form, TORCH_DTYPES[dtype_name], ctx.group, ctx.device)
         timings = time_slowest_rank(steps, ctx.group, ctx.warmup, ctx.repeats, ctx.clock)
         native_exposed = exposed_communication(steps["native"], ctx.group)
@@ -344,6 +368,7 @@ def run(ctx: Context) -> None:
             "comm_over_compute": statistics.median(timings["comm"]) / compute,
             "native_exposed": native_exposed,
             "fastmesh_exposed": fastmesh_exposed,
+            "saved_bytes": saved,
         }
         batch, seq_len, dim, ffn_hidden = shape
         params = {"batch": batch, "seq_len": seq_len, "dim": dim, "ffn_hidden": ffn_hidden, "world": world}

@@ -375,6 +375,9 @@ class ColumnParallelLinear(_ParallelLinear):
             contract) rather than adding it, for a fused bias + activation.
         fp8 (Float8Config): run the matmuls in FP8 (current scaling; tensor-wise, row-wise, MX or block1x128), as the
             fused ops' ``fp8=`` does.
+        keep_gathered (bool): with ``sequence_parallel``, keep the gathered input for the weight's gradient (``tp``
+            times the shard's memory until backward) instead of this rank's shard, which backward gathers again while
+            the input's gradient is computed (default, as Megatron-LM does). The gradients are the same either way.
         device, dtype: of the parameters.
 
     Returns:
@@ -401,6 +404,7 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_dim: int = 0,
         skip_bias_add: bool = False,
         fp8: Float8Config | None = None,
+        keep_gathered: bool = False,
         device=None,
         dtype=None,
     ):
@@ -408,6 +412,8 @@ class ColumnParallelLinear(_ParallelLinear):
         owner = type(self).__name__
         self._setup(in_features, out_features, group, bias, fp8, sequence_parallel, sequence_dim, skip_bias_add)
         check_bool(gather_output, owner, "gather_output")
+        check_bool(keep_gathered, owner, "keep_gathered")
+        self.keep_gathered = keep_gathered
         if gather_output and sequence_parallel:
             raise ValueError(
                 f"{owner}: gather_output=True and sequence_parallel=True conflict (Megatron asserts the same): a "
@@ -429,7 +435,9 @@ class ColumnParallelLinear(_ParallelLinear):
         self._check_fp8_dgrad(input_, self.output_size_per_partition)
         if self.sequence_parallel:
             dim = self._sequence_dim_of(input_)
-            _, (out,) = all_gather_matmul(input_, [self.weight.t()], dim, group=self.group_name, fp8=self.fp8)
+            _, (out,) = all_gather_matmul(
+                input_, [self.weight.t()], dim, group=self.group_name, fp8=self.fp8, keep_gathered=self.keep_gathered
+            )
             out = _plus_bias(out, bias)
         elif not self.gather_output:
             (out,) = replicated_input_matmul(input_, [self.weight], self.group_name, fp8=self.fp8)
@@ -449,7 +457,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def _flags(self) -> str:
         return (
             f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
-            f"sequence_dim={self.sequence_dim}"
+            f"sequence_dim={self.sequence_dim}, keep_gathered={self.keep_gathered}"
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 SEND, RECV = "c10d::send", "c10d::recv_"
+PLAIN_GATHER = "_c10d_functional::all_gather_into_tensor"  # torch's functional all-gather, as fastmesh calls it
 
 
 def c10d_calls(fn) -> dict[str, int]:

@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from comm_counts import c10d_calls, p2p_pieces
+from comm_counts import PLAIN_GATHER, c10d_calls, p2p_pieces
 from environment import environment
 from fastmesh.kernels import fused_reference as ref
 from graph_census import COMPILE_MODES, assert_compiled_path, graph_census
@@ -379,16 +379,22 @@ def _check_shapes_once():
 @on_ranks(2, 4)
 def test_one_pipelined_gather_per_call_whatever_the_number_of_bs(world_size):
     """A call moves its pieces once, the same for 1 or 3 bs. Its backward moves the pieces of one
-    reduce-scatter and gathers nothing: the gathered a was kept from the forward."""
+    reduce-scatter and gathers the saved shard again in one plain all-gather for the bs' gradients; with
+    keep_gathered, nothing: the gathered a was kept from the forward."""
     _check_shapes_once()
     a_shard = torch.randn(12, 16, requires_grad=True)
-    for nbs in (1, 3):
+    for nbs, keep_gathered in itertools.product((1, 3), (False, True)):
         bs = [torch.randn(16, 4, requires_grad=True) for _ in range(nbs)]
         result = {}
-        forward = c10d_calls(lambda: result.update(out=fastmesh.all_gather_matmul(a_shard, bs, 0, pieces=3)[1]))
-        assert forward == p2p_pieces(world_size, 3), forward
+
+        def forward():
+            result["out"] = fastmesh.all_gather_matmul(a_shard, bs, 0, pieces=3, keep_gathered=keep_gathered)[1]
+
+        forward_calls = c10d_calls(forward)
+        assert forward_calls == p2p_pieces(world_size, 3), forward_calls
         backward = c10d_calls(lambda: sum(o.sum() for o in result["out"]).backward())
-        assert backward == p2p_pieces(world_size, 3), backward
+        want = {**p2p_pieces(world_size, 3), PLAIN_GATHER: 0 if keep_gathered else 1}
+        assert {name: backward.get(name, 0) for name in want} == want, backward
 
 
 @pytest.mark.smoke
@@ -446,7 +452,11 @@ def test_compile_fullgraph_matches_eager():
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, msg=lambda m: f"{backend}, {tune}: {m}")
         if backend == "inductor":
-            assert_compiled_path(census, tune, ("fastmesh.all_gather_matmul", "fastmesh.matmul_reduce_scatter"))
+            # Fused: one native collective, the backward's gather of the saved shard, in the backward graph.
+            fused = ("fastmesh.all_gather_matmul", "fastmesh.matmul_reduce_scatter")
+            assert_compiled_path(census, tune, fused, natives=1 if tune == "off" else 0)
+            if tune == "off":
+                assert census.total("native.all_gather_into_tensor", "backward") == 1, census.graphs
         torch._dynamo.reset()
     plans.forget()
 

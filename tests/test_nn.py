@@ -149,7 +149,8 @@ def test_column_parallel_linear_matches_nn_linear_bit_for_bit(world_size):
             assert torch.equal(module.bias.grad, _block(want_db, 0)) if add_bias else module.bias.grad is None, case
         if sp:
             assert forward == {"all_gather_matmul": 1}, (case, forward)
-            assert backward == {"matmul_reduce_scatter": 1}, (case, backward)
+            # and the shard kept for the weight's gradient gathered again
+            assert backward == {"matmul_reduce_scatter": 1, "all_gather_into_tensor": 1}, (case, backward)
         else:
             fused = {"matmul_all_gather": 1} if gather else {}
             bias_gather = {"all_gather_into_tensor": 1} if gather and bias and not skip else {}

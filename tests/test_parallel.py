@@ -766,7 +766,8 @@ def test_replicated_layouts_match_torchs_styles(world_size):
         for name, (placements, shape, grad) in want_params.items():
             assert params[name][:2] == (placements, shape), (case, name, params[name][:2], placements, shape)
             torch.testing.assert_close(params[name][2], grad, rtol=1e-12, atol=1e-12, msg=f"{case}: grad {name}")
-        assert named == want_named, (case, named, want_named)
+        # A sequence-sharded input's gathered copy is not kept: backward gathers its shard again.
+        assert named == _with_shard_gathers(want_named, 1 if given == "sequence" else 0), (case, named, want_named)
         if given != "sequence":  # the all-reduce (forward rowwise, backward colwise) ran inside the matmul
             phase = "forward" if given == "features" else "backward"
             assert issued[phase].get(torch.ops.fastmesh.matmul_all_reduce) == 1, (case, issued)
@@ -947,8 +948,9 @@ def test_sibling_linears_dtensor_outputs_match_torchs_plan():
     for name, grad in want_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
     assert named["forward"] == want_named["forward"], (named, want_named)
-    # Both linears' input gradient in one reduce-scatter, as torch 2.14's plan issues it (2.11's: two all-reduces).
-    assert named["backward"] == {"reduce_scatter_tensor": 1}, (named, want_named)
+    # Both linears' input gradient in one reduce-scatter, as torch 2.14's plan issues it (2.11's: two all-reduces),
+    # and the shard both keep gathered again.
+    assert named["backward"] == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}, (named, want_named)
 
 
 @pytest.mark.smoke
@@ -1065,31 +1067,54 @@ def _op_name(op) -> str:
     return _FUSED_AS.get(op) or op.__name__
 
 
+def _with_shard_gathers(named: dict, gathers: int) -> dict:
+    """The native plan's collectives per phase (``named``) plus fastmesh's ``gathers`` backward all-gathers of the
+    shards its column-parallel linears keep where torch's keep the gathered input (fused_collectives.py)."""
+    if not gathers:
+        return named
+    backward = dict(named["backward"])
+    backward["all_gather_into_tensor"] = backward.get("all_gather_into_tensor", 0) + gathers
+    return {**named, "backward": backward}
+
+
 @on_ranks(2)
 def test_block_issues_exactly_the_native_plans_collectives():
     """Per block: 2 gathers (q/k/v share one, w1/w3 another) and 2 reduce-scatters forward, and the same
-    backward, as the native plan; fusing hides communication, it never adds any."""
+    backward, as the native plan, with keep_gathered; fusing hides communication, it never adds any. By default
+    backward also gathers the 2 shards kept in place of the gathered inputs (plain all-gathers)."""
     mesh = _tp_mesh()
     args = LlamaArgs()
     torch.manual_seed(0)
     unsharded = Block(args)
     rope = rope_tables(8, args.head_dim, args.rope_theta)
     counts = {}
-    for plan in ("native", "fastmesh"):
-        block = parallelize_module(copy.deepcopy(unsharded), mesh, block_plan(plan))
+    for plan in ("native", "fastmesh", "fastmesh-keep"):
+        keep = plan == "fastmesh-keep"
+        block_name = plan.removesuffix("-keep")
+        block = parallelize_module(copy.deepcopy(unsharded), mesh, block_plan(block_name, keep_gathered=keep))
         x = _randn((2, 8 // dist.get_world_size(), args.dim), seed=1).requires_grad_()
         mode = CommDebugMode()
         mode.comm_registry.update(_FUSED_AS)
         with mode:
             block(x, rope).sum().backward()
         counts[plan] = {phase: dict(mode.comm_module_counts["Global"][phase]) for phase in ("forward", "backward")}
-    as_native = {phase: {_op_name(op): n for op, n in issued.items()} for phase, issued in counts["fastmesh"].items()}
-    native = {phase: {_op_name(op): n for op, n in issued.items()} for phase, issued in counts["native"].items()}
-    assert as_native == native, counts
+
+    def as_native(plan):
+        named = {}
+        for phase, issued in counts[plan].items():
+            for op, n in issued.items():
+                named.setdefault(phase, {})[_op_name(op)] = named.get(phase, {}).get(_op_name(op), 0) + n
+        return named
+
+    native = as_native("native")
+    assert as_native("fastmesh-keep") == native, counts
+    assert as_native("fastmesh") == _with_shard_gathers(native, 2), counts
     assert native["forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, counts
     # ... and fastmesh's plan issued them as its fused ops, none as torch's collectives.
     fused = {torch.ops.fastmesh.all_gather_matmul: 2, torch.ops.fastmesh.matmul_reduce_scatter: 2}
-    assert counts["fastmesh"] == {"forward": fused, "backward": fused}, counts
+    assert counts["fastmesh-keep"] == {"forward": fused, "backward": fused}, counts
+    shard_gathers = {torch.ops.c10d_functional.all_gather_into_tensor: 2}
+    assert counts["fastmesh"] == {"forward": fused, "backward": {**fused, **shard_gathers}}, counts
 
     # Plain TP: the same 2 all-reduces forward (wo, w2); backward, torch's plan all-reduces each colwise
     # linear's input gradient (q, k, v, w1, w3), fastmesh's one per parent.
@@ -1400,7 +1425,10 @@ def test_compiled_block_matches_eager_in_one_graph():
                     torch.testing.assert_close(got[2][name], want[2][name], **tolerance, msg=name)
         case = f"{backend}, checkpointed={checkpointed}"
         if census is not None:
-            assert_compiled_path(census, "off", ("fastmesh.all_gather_matmul", "fastmesh.matmul_reduce_scatter"))
+            # and in backward the two gathers of the shards kept for it (torch's collective: nothing to fuse)
+            fused = ("fastmesh.all_gather_matmul", "fastmesh.matmul_reduce_scatter")
+            assert_compiled_path(census, "off", fused, natives=2)
+            assert census.total("native.all_gather_into_tensor", "backward") == 2, census.graphs
         # One graph (dynamo may also hand the backend an empty one when it restarts its analysis), no break,
         # and no recompile for the new lengths.
         assert len([g for g in counter.graphs if len(g.graph.nodes)]) == 1, (case, counter.graphs)
@@ -1468,9 +1496,10 @@ def test_compiled_replicated_layouts_match_eager():
                     (False, fp8): ("fastmesh.scaled_matmul_all_reduce",),
                 }[sequence_parallel, config]
                 # Sequence parallel: the head gathers its product's columns (matmul_all_gather), so its input's
-                # sequence gather and that gather's backward reduce-scatter are torch's collectives. FP8: the
-                # head's product gather has no FP8 form (matmul_all_gather is high precision): torch's gather.
-                natives = 2 if sequence_parallel else 1 if config is not None else 0
+                # sequence gather and that gather's backward reduce-scatter are torch's collectives, and so is
+                # the backward's gather of the shard "up" keeps. FP8: the head's product gather has no FP8 form
+                # (matmul_all_gather is high precision): torch's gather.
+                natives = 3 if sequence_parallel else 1 if config is not None else 0
                 assert_compiled_path(census, "off", fused, natives=natives)
             tolerance = dict(rtol=0, atol=0) if backend == "aot_eager" else TOLERANCE
             for name in want:

@@ -32,12 +32,13 @@ c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// keep_gathered only tells this file's autograd what to save: below autograd it changes nothing.
 GatherResult call_all_gather_matmul(const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim,
                                     c10::string_view group_name, bool return_a, int64_t pieces) {
   static const auto op =
-      typed_op<GatherResult(const at::Tensor&, at::TensorList, int64_t, c10::string_view, bool, int64_t)>(
+      typed_op<GatherResult(const at::Tensor&, at::TensorList, int64_t, c10::string_view, bool, int64_t, bool)>(
           "fastmesh::all_gather_matmul");
-  return op.call(a_shard, bs, gather_dim, group_name, return_a, pieces);
+  return op.call(a_shard, bs, gather_dim, group_name, return_a, pieces, false);
 }
 
 at::Tensor call_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
@@ -80,12 +81,29 @@ at::Tensor wait(const at::Tensor& t) { return call_functional("_c10d_functional:
 
 int64_t group_size(c10::string_view group_name, const char* op) { return resolve_group(group_name, op)->getSize(); }
 
-// Every rank's t concatenated along `dim` in rank order (torch's functional all-gather, which stacks along dim 0).
+// An all-gather in flight: torch's functional all-gather, which stacks the ranks' tensors along dim 0, started and
+// not yet waited for, so that other work (a multiply, other collectives of the group) runs while it travels.
+class PendingGather {
+ public:
+  PendingGather(const at::Tensor& t, int64_t dim, c10::string_view group_name, const char* op)
+      : dim_(dim), world_(group_size(group_name, op)) {
+    stacked_ =
+        call_functional("_c10d_functional::all_gather_into_tensor", {t.contiguous(), world_, std::string(group_name)});
+  }
+
+  // Every rank's t concatenated along dim in rank order.
+  at::Tensor gathered() const {
+    const at::Tensor stacked = wait(stacked_);
+    return dim_ == 0 ? stacked : at::cat(stacked.chunk(world_, 0), dim_);
+  }
+
+ private:
+  int64_t dim_, world_;
+  at::Tensor stacked_;
+};
+
 at::Tensor all_gather(const at::Tensor& t, int64_t dim, c10::string_view group_name, const char* op) {
-  const int64_t world = group_size(group_name, op);
-  const at::Tensor stacked = wait(
-      call_functional("_c10d_functional::all_gather_into_tensor", {t.contiguous(), world, std::string(group_name)}));
-  return dim == 0 ? stacked : at::cat(stacked.chunk(world, 0), dim);
+  return PendingGather(t, dim, group_name, op).gathered();
 }
 
 // Block `rank` of t along `dim`, summed over the ranks (torch's functional reduce-scatter, which scatters dim 0).
@@ -128,35 +146,44 @@ std::pair<at::Tensor, at::Tensor> input_grad_operands(const variable_list& bs,
 constexpr const char* kAllGatherMatmul = "fastmesh::all_gather_matmul";
 constexpr const char* kMatmulReduceScatter = "fastmesh::matmul_reduce_scatter";
 
-// all_gather_matmul: grad a_shard = matmul_reduce_scatter(cat(G_i, -1), cat(bs, 1).T, d); grad b_i = a.T @ G_i (a the
-// gathered a: returned, or gathered again when the op was called without return_a). A gradient of the returned a
-// itself is added before one plain reduce-scatter (nothing is left to fuse a matmul into).
+// all_gather_matmul: grad a_shard = matmul_reduce_scatter(cat(G_i, -1), cat(bs, 1).T, d); grad b_i = a.T @ G_i. A
+// gradient of the returned a itself is added before one plain reduce-scatter (nothing is left to fuse a matmul into).
+//
+// What the bs' gradients keep (docs/design/fused-collectives.md, "Saved for backward"): this rank's shard, gathered
+// again in backward, as Megatron-LM's sequence parallelism does; the gathered a (W times larger) only with
+// keep_gathered. The second gather starts before the input gradient's fused multiply + reduce-scatter and travels
+// during it; the weight gradients then are one multiply each on the whole gathered a, as with the gathered a kept,
+// so both give bitwise the same gradients. (Gathering along the weight gradient's contraction instead, fused into
+// its multiply, would split that contraction into W partial products: other sums, and W output-sized partials to
+// add.)
 class AllGatherMatmul : public torch::autograd::Function<AllGatherMatmul> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim,
-                               c10::string_view group_name, bool return_a, int64_t pieces) {
+                               c10::string_view group_name, bool return_a, int64_t pieces, bool keep_gathered) {
+    bool bs_need_grad = false;
+    for (const at::Tensor& b : bs) bs_need_grad = bs_need_grad || b.requires_grad();
+    const bool keep = keep_gathered && bs_need_grad;
     GatherResult result;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      result = call_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, pieces);
+      result = call_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a || keep, pieces);
     }
     auto& [a_full, outs] = result;
     // Unused outputs (typically the gathered a, returned only for this backward) get no gradient rather than
     // zeros: no dead reduce-scatter term.
     ctx->set_materialize_grads(false);
-    bool bs_need_grad = false;
-    for (const at::Tensor& b : bs) bs_need_grad = bs_need_grad || b.requires_grad();
     ctx->saved_data["gather_dim"] = gather_dim % a_shard.dim();
     ctx->saved_data["group_name"] = std::string(group_name);
     ctx->saved_data["pieces"] = pieces;
-    ctx->saved_data["returned_a"] = a_full.has_value();
+    ctx->saved_data["returned_a"] = return_a;
+    ctx->saved_data["kept_gathered"] = keep;
     ctx->saved_data["bs_need_grad"] = bs_need_grad;
-    variable_list saved{bs_need_grad ? (a_full ? *a_full : a_shard) : at::Tensor()};
+    variable_list saved{bs_need_grad ? (keep ? *a_full : a_shard) : at::Tensor()};
     if (a_shard.requires_grad()) saved.insert(saved.end(), bs.begin(), bs.end());
     ctx->save_for_backward(saved);
     // The gathered a first where it is returned (a custom Function's outputs must be defined tensors).
     variable_list out;
-    if (a_full) out.push_back(*a_full);
+    if (return_a) out.push_back(*a_full);
     out.insert(out.end(), outs.begin(), outs.end());
     return out;
   }
@@ -174,7 +201,12 @@ class AllGatherMatmul : public torch::autograd::Function<AllGatherMatmul> {
     for (size_t i = 0; i < num_bs; ++i) {
       if (grad_outputs[first_out + i].defined()) grads.emplace_back(grad_outputs[first_out + i], i);
     }
-    variable_list result(1 + num_bs + 4);  // a_shard, each b, then the four non-tensor arguments
+    variable_list result(1 + num_bs + 5);  // a_shard, each b, then the five non-tensor arguments
+    const bool bs_grads = ctx->saved_data["bs_need_grad"].toBool() && !grads.empty();
+    std::optional<PendingGather> regather;
+    if (bs_grads && !ctx->saved_data["kept_gathered"].toBool()) {
+      regather.emplace(a_saved.detach(), dim, group_name, kAllGatherMatmul);
+    }
     if (ctx->needs_input_grad(0) && (!grads.empty() || grad_a_full.defined())) {
       if (grad_a_full.defined()) {
         at::Tensor total = grad_a_full;
@@ -185,11 +217,8 @@ class AllGatherMatmul : public torch::autograd::Function<AllGatherMatmul> {
         result[0] = call_matmul_reduce_scatter(grad_c, b_t, dim, "sum", group_name, ctx->saved_data["pieces"].toInt());
       }
     }
-    if (ctx->saved_data["bs_need_grad"].toBool()) {
-      const at::Tensor a_full = ctx->saved_data["returned_a"].toBool()
-                                    ? a_saved
-                                    : all_gather(a_saved.detach(), dim, group_name, kAllGatherMatmul);
-      const at::Tensor a_rows_t = as_matrix(a_full).t();
+    if (bs_grads) {
+      const at::Tensor a_rows_t = as_matrix(regather ? regather->gathered() : a_saved).t();
       for (const auto& [g, i] : grads) result[1 + i] = at::mm(a_rows_t, as_matrix(g));
     }
     return result;
@@ -305,12 +334,13 @@ bool records_backward(const at::Tensor& a, at::TensorList bs = {}) {
 }
 
 GatherResult all_gather_matmul_autograd(const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim,
-                                        c10::string_view group_name, bool return_a, int64_t pieces) {
+                                        c10::string_view group_name, bool return_a, int64_t pieces,
+                                        bool keep_gathered) {
   if (!records_backward(a_shard, bs)) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, pieces);
   }
-  variable_list out = AllGatherMatmul::apply(a_shard, bs, gather_dim, group_name, return_a, pieces);
+  variable_list out = AllGatherMatmul::apply(a_shard, bs, gather_dim, group_name, return_a, pieces, keep_gathered);
   if (!return_a) return {std::nullopt, out};
   return {out[0], variable_list(out.begin() + 1, out.end())};
 }

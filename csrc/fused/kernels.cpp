@@ -54,8 +54,10 @@ Result plan_in_python(const CallKey& key, const Args&... args) {
   return answer[0].template cast<Result>();
 }
 
+// keep_gathered only says what autograd saves (csrc/fused/autograd.cpp): the same schedule and plan either way.
 GatherResult all_gather_matmul_kernel(const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim,
-                                      c10::string_view group_name, bool return_a, int64_t pieces) {
+                                      c10::string_view group_name, bool return_a, int64_t pieces,
+                                      bool /*keep_gathered*/) {
   CallKey key(PlannedOp::kAllGatherMatmul, group_name, "fastmesh::all_gather_matmul");
   key.tensor(a_shard).tensors(bs).value(gather_dim).value(return_a).value(pieces);
   if (const auto plan = remembered_plan(key)) {

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -26,12 +25,12 @@ import threading
 from collections.abc import Callable
 
 from torch._inductor import config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
 from fastmesh.compile import patterns, profit, rewrite
 from fastmesh.ops import plans
+from fastmesh.ops._inductor_pass import ChainedPass
 
 logger = logging.getLogger("fastmesh.compile")
 
@@ -351,35 +350,22 @@ _SOURCES = tuple(
 ) + tuple(os.path.join(_OPS, name) for name in ("plans.py", "plan_model.py"))
 
 
-class FusionPass(CustomGraphPass):
+class FusionPass(ChainedPass):
     """The post-grad pass :func:`enable_fusion` installs. It runs the pass that was installed before it (if
     any) after its own, and gives inductor's caches a key that covers its source and settings."""
 
+    sources = _SOURCES
+
     def __init__(self, strict: bool, previous=None):
+        super().__init__(previous)
         self.strict = strict
-        self.previous = previous
 
-    def _previous_passes(self) -> tuple:
-        # torch >= 2.12 also takes a list of post passes.
-        previous = self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,)
-        return tuple(p for p in previous if p is not None)
-
-    def __call__(self, graph: Graph) -> None:
+    def run(self, graph: Graph) -> None:
         fuse_graph(graph, self.strict)
-        for previous in self._previous_passes():
-            previous(graph)
 
-    def uuid(self) -> bytes | None:
+    def settings_key(self) -> str:
         cached = json.dumps(plans.cache().entries(), sort_keys=True)
-        digest = hashlib.sha256(
-            get_hash_for_files(_SOURCES, extra=f"strict={self.strict};tune={plans.mode()};{cached}")
-        )
-        for previous in self._previous_passes():
-            uuid = previous.uuid() if hasattr(previous, "uuid") else None
-            if uuid is None:  # inductor cannot cache graphs compiled with an uncacheable pass
-                return None
-            digest.update(repr(uuid).encode())
-        return digest.digest()
+        return f"strict={self.strict};tune={plans.mode()};{cached}"
 
 
 def enable_fusion(strict: bool = False) -> None:

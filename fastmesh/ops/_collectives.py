@@ -3,7 +3,8 @@
 * :func:`all_gather`, :func:`reduce_scatter`: differentiable and traceable (torch's functional collectives
   with autograd), by ``group_name``; the fused ops' backward uses them where no matmul is left to fuse.
 * :func:`traced_all_gather`, :func:`traced_reduce_scatter`: the ``_c10d_functional`` ops themselves, no autograd:
-  what inductor schedules (and fastmesh's compile pass matches) in a traced graph.
+  what inductor schedules (and fastmesh's compile pass matches) in a traced graph; :func:`started_all_gather`, the
+  gather waited for later.
 * :func:`traced_all_reduce`: the same for a sum / avg all-reduce.
 * :func:`all_reduce`: a functional all-reduce, waited for.
 * :data:`all_gather_into`, :data:`reduce_scatter_into`: c10d calls into preallocated buffers, by ProcessGroup.
@@ -11,10 +12,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import _get_group_size_by_name
 
 # torch 2.14 names these *_single (*_single_autograd) and deprecates the old names, the only ones torch 2.11 has.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -28,7 +31,8 @@ _c10d = torch.ops._c10d_functional
 
 
 def _world(group_name: str) -> int:
-    return _resolve_process_group(group_name).size()
+    # By name, as torch's functional collectives ask: dynamo traces this (an autograd.Function's backward calls it).
+    return _get_group_size_by_name(group_name)
 
 
 def all_gather(t: torch.Tensor, gather_dim: int, group_name: str) -> torch.Tensor:
@@ -48,9 +52,20 @@ def reduce_scatter(t: torch.Tensor, scatter_dim: int, group_name: str, reduce_op
 
 def traced_all_gather(t: torch.Tensor, gather_dim: int, group_name: str) -> torch.Tensor:
     """:func:`all_gather` as ``_c10d_functional`` ops (not differentiable)."""
+    return started_all_gather(t, gather_dim, group_name)()
+
+
+def started_all_gather(t: torch.Tensor, gather_dim: int, group_name: str) -> Callable[[], torch.Tensor]:
+    """:func:`traced_all_gather` started now, its result waited for by calling what this returns: the transfer
+    travels while the caller runs other work (a multiply, other collectives of the group)."""
     world, dim = _world(group_name), gather_dim % t.dim()
-    stacked = _c10d.wait_tensor(_c10d.all_gather_into_tensor(t.contiguous(), world, group_name))
-    return stacked if dim == 0 else torch.cat(stacked.chunk(world, 0), dim)  # c10d stacks the ranks along dim 0
+    pending = _c10d.all_gather_into_tensor(t.contiguous(), world, group_name)
+
+    def gathered() -> torch.Tensor:
+        stacked = _c10d.wait_tensor(pending)
+        return stacked if dim == 0 else torch.cat(stacked.chunk(world, 0), dim)  # c10d stacks the ranks along dim 0
+
+    return gathered
 
 
 def traced_reduce_scatter(t: torch.Tensor, scatter_dim: int, group_name: str, reduce_op: str = "sum") -> torch.Tensor:

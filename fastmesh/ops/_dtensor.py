@@ -85,7 +85,7 @@ def _local_b(b, mesh, op: str, arg: str, allowed: tuple, hint: str):
     return b.to_local(), placement
 
 
-def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, fp8):
+def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, fp8, keep_gathered):
     op = "fastmesh.all_gather_matmul"
     if not is_dtensor(a_shard):
         raise TypeError(
@@ -127,7 +127,16 @@ def all_gather_matmul(front, a_shard, bs, gather_dim, group, return_a, pieces, f
                     f"{op}: bs[{i}] must have {rows} rows (a_shard's global last dim), got {list(b.shape)}"
                 )
         op_bs = [_shards.pad_rows(b, 0, gathered_k) for b in op_bs]
-    gathered, outs = front(a_local, op_bs, dim, group=mesh, return_a=return_a or any(own_grad), pieces=pieces, fp8=fp8)
+    gathered, outs = front(
+        a_local,
+        op_bs,
+        dim,
+        group=mesh,
+        return_a=return_a or any(own_grad),
+        pieces=pieces,
+        fp8=fp8,
+        keep_gathered=keep_gathered,
+    )
 
     def unpadded(t):  # the gathered rows; a gathered contraction leaves no padding in the products
         return t if contraction else _shards.first_rows(t, dim, rows)

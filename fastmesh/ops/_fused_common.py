@@ -90,13 +90,16 @@ def are_plain(ts) -> bool:
     return True
 
 
-def plain_options(*ints, flag=False, pieces=None) -> bool:
-    """Whether a call's options go to the op as they are: ``ints`` ints (not bools), ``flag`` a bool, ``pieces`` None or
-    an int. The fronts check the rest only when the op refuses a call (:func:`fastmesh.ops.fused_collectives`)."""
+def plain_options(*ints, flags=(), pieces=None) -> bool:
+    """Whether a call's options go to the op as they are: ``ints`` ints (not bools), ``flags`` bools, ``pieces`` None
+    or an int. The fronts check the rest only when the op refuses a call (:func:`fastmesh.ops.fused_collectives`)."""
     for value in ints:
         if type(value) is not int:
             return False
-    return type(flag) is bool and (pieces is None or type(pieces) is int)
+    for value in flags:
+        if type(value) is not bool:
+            return False
+    return pieces is None or type(pieces) is int
 
 
 def any_requires_grad(tensors) -> bool:

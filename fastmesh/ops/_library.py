@@ -66,10 +66,11 @@ def _fused(name, signature, module, *, fp8=False, front, **parts):
 
 SPECS = (
     # Fused collectives (fastmesh/ops/fused_collectives.py). pieces: pipeline pieces of rows, 0 = the call's plan.
+    # keep_gathered: autograd saves the gathered a for the bs' gradients rather than the shard (gathered again).
     _fused(
         "all_gather_matmul",
-        "(Tensor a_shard, Tensor[] bs, int gather_dim, str group_name, bool return_a=False, int pieces=0) "
-        "-> (Tensor?, Tensor[])",
+        "(Tensor a_shard, Tensor[] bs, int gather_dim, str group_name, bool return_a=False, int pieces=0, "
+        "bool keep_gathered=False) -> (Tensor?, Tensor[])",
         "fastmesh.ops.fused_collectives",
         front="fastmesh.all_gather_matmul",
         traced=True,

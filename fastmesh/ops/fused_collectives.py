@@ -19,6 +19,8 @@ Autograd: each op's backward is the other op (``G_i`` the gradient of output i):
 
     all_gather_matmul:      grad a_shard = matmul_reduce_scatter(cat(G_i, -1), cat(bs, 1).T, d, "sum")
                             grad b_i     = a.flatten(0, -2).T @ G_i.flatten(0, -2)
+                            # a: a_shard (saved) gathered again, while grad a_shard's op runs;
+                            # keep_gathered=True saves the gathered a instead (W times the bytes)
     matmul_reduce_scatter:  grad_c, [grad a] = all_gather_matmul(G (/W for avg), [b.T], d, return_a=True)
                             grad b       = a.flatten(0, -2).T @ grad_c.flatten(0, -2)
 
@@ -35,12 +37,11 @@ import torch
 
 from fastmesh import _cpp_lib
 from fastmesh.mesh import group_name as _group_name_of
-from fastmesh.ops import _dtensor, autocast, chunked_gather, plans, traced_unfused
+from fastmesh.ops import _dtensor, autocast, backward_gathers, chunked_gather, plans, traced_unfused
 from fastmesh.ops._checks import MATMUL_DTYPES, check_bool, check_int, check_is_tensor, check_tensor, wrap_dim
 from fastmesh.ops._collectives import traced_all_gather, traced_reduce_scatter
 from fastmesh.ops._fp8_operands import check_config
 from fastmesh.ops._fused_common import (
-    any_requires_grad,
     are_plain,
     check_like,
     check_matmul_operands,
@@ -110,8 +111,9 @@ def _check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, world: int, piece
 
 
 @torch.library.register_fake(qualified_name("all_gather_matmul"))
-def _all_gather_matmul_fake(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0):
+def _all_gather_matmul_fake(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0, keep_gathered=False):
     traced_unfused.register_once()  # being traced: inductor may trace an unfused plan as its collective
+    backward_gathers.install_once()  # and the backward's gather of the shard stays in backward
     world = group_size(group_name, _AG)
     dim = _check_all_gather_matmul(a_shard, bs, gather_dim, world, pieces)
     full = gathered_shape(a_shard.shape, dim, world)
@@ -203,7 +205,7 @@ def _matmul_reduce_scatter_planned(a, b, scatter_dim, reduce_op, group_name, pie
 
 
 @traced_unfused.trace("all_gather_matmul")
-def _all_gather_matmul_traced(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0):
+def _all_gather_matmul_traced(a_shard, bs, gather_dim, group_name, return_a=False, pieces=0, keep_gathered=False):
     dim = gather_dim % a_shard.dim()
     if not traced_unfused.plans_unfused(lambda: gather_plan_call(a_shard, bs, dim, group_name), pieces, a_shard, *bs):
         return NotImplemented
@@ -235,6 +237,7 @@ def all_gather_matmul(
     pieces: int | None = None,
     fp8: Float8Config | None = None,
     chunks: int | None = None,
+    keep_gathered: bool = False,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """All-gather ``a_shard`` along ``gather_dim`` and multiply the result by each ``b``, overlapped.
 
@@ -263,6 +266,10 @@ def all_gather_matmul(
             to run in FP8 (``fastmesh/ops/fused_collectives_fp8.py``). Rows only (``gather_dim`` not the last dim); the
             returned ``a`` is then the dequantized FP8 gather, its gradient passed straight through.
         chunks: deprecated alias of ``pieces`` (warns).
+        keep_gathered: save the gathered ``a`` for the ``bs``' gradients (``W`` times the shard's bytes, FP8: its FP8
+            data and scales) instead of ``a_shard``, which backward otherwise gathers again while the input
+            gradient's fused multiply runs (Megatron-LM's sequence parallelism). The gradients are the same
+            either way; only the memory held until backward and one gather differ.
 
     Returns:
         ``(a or None, [a @ b for b in bs])``.
@@ -278,42 +285,41 @@ def all_gather_matmul(
     """
     if chunks is not None:
         pieces = resolve_pieces(pieces, chunks, _AG_FRONT)
-    if fp8 is None and is_plain(a_shard) and are_plain(bs) and plain_options(gather_dim, flag=return_a, pieces=pieces):
+    plain = plain_options(gather_dim, flags=(return_a, keep_gathered), pieces=pieces)
+    if fp8 is None and plain and is_plain(a_shard) and are_plain(bs):
         # The steady state: the op checks a key's arguments on its first call, the front only the types its schema
         # takes, and what the schema refuses (a value out of its range) only once refused.
         name = _group_name_of(group)
-        # The bs' gradients need the gathered a: ask the op for it rather than gathering again in backward.
-        want_a = return_a or (torch.is_grad_enabled() and any_requires_grad(bs))
         try:
-            a_full, outs = _AG_OP(a_shard, bs, gather_dim, name, want_a, 0 if pieces is None else pieces)
+            return _AG_OP(a_shard, bs, gather_dim, name, return_a, 0 if pieces is None else pieces, keep_gathered)
         except RuntimeError:
-            _check_all_gather_front(a_shard, bs, gather_dim, return_a, 0 if pieces is None else pieces)
+            _check_all_gather_front(a_shard, bs, gather_dim, return_a, 0 if pieces is None else pieces, keep_gathered)
             raise
-        return (a_full if return_a else None), outs
     pieces = 0 if pieces is None else pieces
-    _check_all_gather_front(a_shard, bs, gather_dim, return_a, pieces)
+    _check_all_gather_front(a_shard, bs, gather_dim, return_a, pieces, keep_gathered)
     if _dtensor.is_dtensor(a_shard) or _dtensor.any_dtensor(bs):
-        return _dtensor.all_gather_matmul(all_gather_matmul, a_shard, bs, gather_dim, group, return_a, pieces, fp8)
+        return _dtensor.all_gather_matmul(
+            all_gather_matmul, a_shard, bs, gather_dim, group, return_a, pieces, fp8, keep_gathered
+        )
     name = _group_name_of(group)
     if fp8 is not None:
         a_shard, bs = autocast.cast(a_shard), autocast.cast(list(bs))
         config = check_config(fp8, _AG_FRONT, a_shard.dtype)
         try:
-            return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, pieces, config)
+            return all_gather_matmul_fp8(a_shard, bs, gather_dim, name, return_a, pieces, config, keep_gathered)
         except (RuntimeError, TypeError, ValueError):  # said in the casts' or the FP8 op's words: these are clearer
             _check_all_gather_matmul(a_shard, bs, gather_dim, group_size(name, _AG), pieces, fp8=True)
             raise
-    want_a = return_a or (torch.is_grad_enabled() and any_requires_grad(bs))
-    a_full, outs = _AG_OP(a_shard, bs, gather_dim, name, want_a, pieces)
-    return (a_full if return_a else None), outs
+    return _AG_OP(a_shard, bs, gather_dim, name, return_a, pieces, keep_gathered)
 
 
-def _check_all_gather_front(a_shard, bs, gather_dim, return_a, pieces) -> None:
+def _check_all_gather_front(a_shard, bs, gather_dim, return_a, pieces, keep_gathered) -> None:
     """What the op's schema would refuse less clearly than these errors; the rest the op checks."""
     check_is_tensor(a_shard, _AG, "a_shard")
     check_matrices(bs, _AG_FRONT, _AG)
     check_int(gather_dim, _AG, "gather_dim")
     check_bool(return_a, _AG_FRONT, "return_a")
+    check_bool(keep_gathered, _AG_FRONT, "keep_gathered")
     check_pieces(pieces, _AG)
 
 

@@ -27,8 +27,9 @@ Autograd: the ops take quantized data and have none. The fronts' ``fp8=Float8Con
 tensor-wise, row-wise, MX or block1x128) quantizes the inputs (each b alike along its output columns; 128x128 for
 block1x128) and calls these ops. Its backward runs the dgrad through the other fused op, in FP8 (``grad_dtype``)
 when ``backward_in_fp8``, else in the input dtype (always for a reduce-scatter of the last dim: its dgrad would
-gather the contraction dim), and the wgrad in the input dtype from the saved FP8 activation. Errors as for the
-high-precision ops. Design: ``docs/design/fp8.md``.
+gather the contraction dim), and the wgrad in the input dtype from the FP8 shard and scales saved in forward and
+gathered again while the dgrad runs (``keep_gathered``: the gathered FP8 a saved). Errors as for the high-precision
+ops. Design: ``docs/design/fp8.md``.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from collections.abc import Sequence
 import torch
 
 from fastmesh import _cpp_lib
-from fastmesh.ops import plans
+from fastmesh.ops import backward_gathers, plans
 from fastmesh.ops._checks import FP8_DTYPES, check_tensor, wrap_dim
-from fastmesh.ops._collectives import reduce_scatter
+from fastmesh.ops._collectives import reduce_scatter, started_all_gather
 from fastmesh.ops._fp8_operands import (
     check_a_scale,
     check_b_scale,
@@ -125,6 +126,7 @@ def _check_scaled_reduce_scatter(a, a_scale, b, b_scale, scatter_dim, reduce_op,
 def _all_gather_scaled_matmul_fake(
     a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype, return_a=False, pieces=0
 ):
+    backward_gathers.install_once()  # being traced: the fp8= backward's gathers of the shard stay in backward
     world = group_size(group_name, _AG)
     dim, _, _ = _check_all_gather_scaled(a_shard, a_scale, bs, b_scales, gather_dim, out_dtype, world, pieces)
     full = gathered_shape(a_shard.shape, dim, world)
@@ -242,24 +244,54 @@ def _scaled_matmul_reduce_scatter_planned(
 
 
 def _gather_fp8(config, group_name, gather_dim, pieces, a_shard, bs, keep_a: bool):
-    """The FP8 forward of all_gather_matmul: a_shard and each b quantized, then the scaled op; (the gathered FP8 a
-    and its scales, or Nones without ``keep_a``; the products)."""
+    """The FP8 forward of all_gather_matmul: a_shard and each b quantized, then the scaled op; (the quantized shard's
+    data and scale; the gathered FP8 a and its scales per row, or Nones without ``keep_a``; the products)."""
     a_data, a_scale = quantize_rows(a_shard, config.dtype, config)
     b_data, b_scales = [], []
     for b in bs:
         data, scale = quantize_columns(b, config.dtype, config)
         b_data.append(data)
         b_scales.append(scale)
-    return _SCALED_GATHER(a_data, a_scale, b_data, b_scales, gather_dim, group_name, a_shard.dtype, keep_a, pieces)
+    a_full, a_full_scale, outs = _SCALED_GATHER(
+        a_data, a_scale, b_data, b_scales, gather_dim, group_name, a_shard.dtype, keep_a, pieces
+    )
+    return (a_data, a_scale), (a_full, a_full_scale), outs
+
+
+def _start_fp8_gather(a_data, a_scale, gather_dim: int, group_name: str):
+    """The FP8 shard and its scale (saved for backward) gathered again, in the op's layout: started now, (the gathered
+    FP8 a, its scales per row) waited for by calling what this returns."""
+    scale_rows = a_scale.expand(*a_data.shape[:-1], 1) if a_scale.dim() == 0 else a_scale  # tensor-wise: one per row
+    # One-byte types (FP8 data, MX's E8M0 scales) travel as bytes: gloo has none of them.
+    pending = [
+        (started_all_gather(t.view(torch.uint8) if t.element_size() == 1 else t, gather_dim, group_name), t.dtype)
+        for t in (a_data, scale_rows)
+    ]
+
+    def gathered():
+        return tuple(finish().view(dtype) for finish, dtype in pending)
+
+    return gathered
 
 
 class _Float8AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, config, group_name, gather_dim, pieces, return_a, a_shard, *bs):
-        a_full, a_full_scale, outs = _gather_fp8(config, group_name, gather_dim, pieces, a_shard, bs, True)
+    def forward(ctx, config, group_name, gather_dim, pieces, return_a, keep_gathered, a_shard, *bs):
+        keep = keep_gathered and any(b.requires_grad for b in bs)
+        (a_data, a_scale), (a_full, a_full_scale), outs = _gather_fp8(
+            config, group_name, gather_dim, pieces, a_shard, bs, return_a or keep
+        )
         ctx.config, ctx.group_name, ctx.gather_dim, ctx.pieces = config, group_name, gather_dim, pieces
-        ctx.dtype = a_shard.dtype
-        ctx.save_for_backward(a_full, a_full_scale, *bs)
+        ctx.dtype, ctx.kept_gathered = a_shard.dtype, keep
+        # What the bs' gradients need: the FP8 shard and its scale (gathered again in backward), or with
+        # keep_gathered the gathered FP8 a and its scales; nothing where no b needs a gradient.
+        if keep:
+            a_saved = (a_full, a_full_scale)
+        elif any(b.requires_grad for b in bs):
+            a_saved = (a_data, a_scale)
+        else:
+            a_saved = (None, None)
+        ctx.save_for_backward(*a_saved, *bs)
         # The gathered a's own gradient takes another path (_GatheredGradient), so that the dgrad below runs as the
         # config says whether or not the gathered a is used.
         gathered = dequantize(a_full, a_full_scale, a_shard.dtype) if return_a else None
@@ -270,10 +302,14 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_gathered, *grad_outs):
-        a_full, a_full_scale, *bs = ctx.saved_tensors
+        a_saved, a_saved_scale, *bs = ctx.saved_tensors
         grads = [(g, i) for i, g in enumerate(grad_outs) if g is not None]
+        need_bs = any(ctx.needs_input_grad[7:]) and grads
+        regather = None
+        if need_bs and not ctx.kept_gathered:  # travels while the dgrad runs
+            regather = _start_fp8_gather(a_saved, a_saved_scale, ctx.gather_dim, ctx.group_name)
         grad_a = None
-        if ctx.needs_input_grad[5] and grads:
+        if ctx.needs_input_grad[6] and grads:
             grad_c, b_t = input_grad_operands(bs, grads)
             if ctx.config.backward_in_fp8:
                 g_data, g_scale = quantize_rows(grad_c, ctx.config.grad_dtype, ctx.config)
@@ -286,11 +322,12 @@ class _Float8AllGatherMatmul(torch.autograd.Function):
                     grad_c.contiguous(), b_t, ctx.gather_dim, "sum", ctx.group_name, ctx.pieces
                 )
         grad_bs = [None] * len(bs)
-        if any(ctx.needs_input_grad[6:]):
+        if need_bs:
+            a_full, a_full_scale = regather() if regather is not None else (a_saved, a_saved_scale)
             a_hp = as_matrix(dequantize(a_full, a_full_scale, ctx.dtype))
             for g, i in grads:
                 grad_bs[i] = a_hp.t() @ as_matrix(g)
-        return (None, None, None, None, None, grad_a, *grad_bs)
+        return (None, None, None, None, None, None, grad_a, *grad_bs)
 
 
 class _GatheredGradient(torch.autograd.Function):
@@ -366,6 +403,7 @@ def all_gather_matmul_fp8(
     return_a: bool,
     pieces: int,
     config: Float8Config,
+    keep_gathered: bool,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The fronts' ``fp8=`` path of all_gather_matmul (module docstring)."""
     check_rows_gathered(a_shard, gather_dim, "fastmesh.all_gather_matmul")  # before bs' MX / block sizes
@@ -374,9 +412,11 @@ def all_gather_matmul_fp8(
         check_fp8_contraction(config, b.shape[0], b.shape[1], dgrad, "fastmesh.all_gather_matmul")
     if not (torch.is_grad_enabled() and (a_shard.requires_grad or any_requires_grad(bs))):
         # No backward to record: the forward alone (an autograd Function costs host time for nothing).
-        a_full, a_full_scale, outs = _gather_fp8(config, group_name, gather_dim, pieces, a_shard, bs, return_a)
+        _, (a_full, a_full_scale), outs = _gather_fp8(config, group_name, gather_dim, pieces, a_shard, bs, return_a)
         return (dequantize(a_full, a_full_scale, a_shard.dtype) if return_a else None), outs
-    gathered, *outs = _Float8AllGatherMatmul.apply(config, group_name, gather_dim, pieces, return_a, a_shard, *bs)
+    gathered, *outs = _Float8AllGatherMatmul.apply(
+        config, group_name, gather_dim, pieces, return_a, keep_gathered, a_shard, *bs
+    )
     if gathered is not None and a_shard.requires_grad:
         gathered = _GatheredGradient.apply(gathered, a_shard, gather_dim % a_shard.dim(), group_name)
     return gathered, list(outs)

@@ -63,6 +63,7 @@ from torch.distributed.tensor.placement_types import Placement
 from fastmesh._log import log_once
 from fastmesh.mesh import group_name
 from fastmesh.ops import all_gather_matmul, autocast, matmul_all_gather, matmul_all_reduce, matmul_reduce_scatter
+from fastmesh.ops._checks import check_bool
 from fastmesh.ops._collectives import all_gather
 from fastmesh.ops._dtensor import wrap_local
 from fastmesh.ops._fp8_operands import check_fp8_dgrad_columns, fp8_dgrad_possible
@@ -144,6 +145,11 @@ class FusedColwiseParallel(ParallelStyle):
             The fused op's pipeline pieces of rows per rank (default: the op's plan per call).
         chunks (int, optional):
             Deprecated alias of ``pieces`` (FutureWarning; passing both is a ``TypeError``).
+        keep_gathered (bool, optional):
+            For a sequence-sharded input: keep the gathered input for the weights' gradients (``tp`` times the
+            shard's memory until backward; FP8: its FP8 data and scales) instead of this rank's shard, which
+            backward gathers again while the input's gradient is computed. Default: ``False``, the shard (as
+            Megatron-LM's sequence parallelism). The gradients are the same either way.
 
     Returns:
         A :class:`ParallelStyle` object that represents the fused column-wise sharding.
@@ -172,6 +178,7 @@ class FusedColwiseParallel(ParallelStyle):
         fp8=None,
         pieces: int | None = None,
         chunks: int | None = None,
+        keep_gathered: bool = False,
     ):
         super().__init__()
         # torch's ColwiseParallel's defaults: a replicated input, column-sharded outputs.
@@ -181,6 +188,8 @@ class FusedColwiseParallel(ParallelStyle):
         self.linears = check_linear_names(linears, _COLWISE)
         self.fp8 = check_fp8(fp8, _COLWISE)
         self.pieces = pipeline_pieces(pieces, chunks, _COLWISE)
+        check_bool(keep_gathered, _COLWISE, "keep_gathered")
+        self.keep_gathered = keep_gathered
 
     def _prepare_input_fn(self, x, mesh: DeviceMesh) -> tuple[torch.Tensor | DTensor, Placement, int | None]:
         """The input, its placement and a DTensor's global sequence length: a local sequence shard (``Shard``;
@@ -266,6 +275,7 @@ class FusedColwiseParallel(ParallelStyle):
             return_a=return_a,
             pieces=self.pieces,
             fp8=self.fp8,
+            keep_gathered=self.keep_gathered,
         )
         outs = [first_rows(out, dim, rows) for out in outs]
         return (None if a is None else first_rows(a, dim, rows)), self._column_outputs(mesh, named_linears, outs)

@@ -178,9 +178,10 @@ def native_block_plan() -> dict:
     }
 
 
-def fused_block_plan(fp8=None, pieces: int | None = None) -> dict:
-    """fastmesh's sequence-parallel plan: one fused gather per parent, matmul + reduce-scatter."""
-    colwise = dict(input_layouts=Shard(1), fp8=fp8, pieces=pieces)
+def fused_block_plan(fp8=None, pieces: int | None = None, keep_gathered: bool = False) -> dict:
+    """fastmesh's sequence-parallel plan: one fused gather per parent, matmul + reduce-scatter; the parents' shards
+    kept for backward (``keep_gathered``: their gathered inputs)."""
+    colwise = dict(input_layouts=Shard(1), fp8=fp8, pieces=pieces, keep_gathered=keep_gathered)
     rowwise = dict(output_layouts=Shard(1), fp8=fp8, pieces=pieces)
     return {
         "attention_norm": SequenceParallel(),
@@ -217,15 +218,16 @@ def fused_plain_block_plan(fp8=None, pieces: int | None = None) -> dict:
     }
 
 
-def block_plan(plan: str, fp8=None, pieces: int | None = None) -> dict:
+def block_plan(plan: str, fp8=None, pieces: int | None = None, keep_gathered: bool = False) -> dict:
     """``"native"`` or ``"fastmesh"`` (sequence-parallel), ``"native-plain"`` or ``"fastmesh-plain"`` (plain TP:
-    the block's input and output replicated). ``fp8`` and ``pieces`` apply to fastmesh's plans."""
+    the block's input and output replicated). ``fp8`` and ``pieces`` apply to fastmesh's plans, ``keep_gathered``
+    to its sequence-parallel one."""
     if plan in ("native", "native-plain"):
         if fp8 is not None:
             raise ValueError("the native plan has no fp8 option here; use plan='fastmesh'")
         return native_block_plan() if plan == "native" else native_plain_block_plan()
     if plan == "fastmesh":
-        return fused_block_plan(fp8, pieces)
+        return fused_block_plan(fp8, pieces, keep_gathered)
     if plan == "fastmesh-plain":
         return fused_plain_block_plan(fp8, pieces)
     raise ValueError(f"plan must be 'native', 'fastmesh', 'native-plain' or 'fastmesh-plain', got {plan!r}")
