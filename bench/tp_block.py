@@ -159,7 +159,7 @@ def _step(block, x, rope, fusion=None):
     if fusion is not None:
         # The pass as this compile's own inductor option: the compiled contenders share one code object, and
         # the option also keeps their dynamo cache entries apart (dynamo guards on the backend's config).
-        options = {"post_grad_custom_post_pass": fastmesh.compile.FusionPass(strict=True)} if fusion else None
+        options = fastmesh.compile.fusion_options(strict=True) if fusion else None
         forward = torch.compile(lambda x, rope: block(x, rope), fullgraph=True, options=options)
 
     def step():
@@ -179,7 +179,7 @@ def _check_fused(report, form, rank):
         kind: sum(e.graph_kind == kind and (e.fused or e.unprofitable) for e in report.entries)
         for kind in form.fused_per_graph
     }
-    if any(not e.unprofitable for e in report.unfused) or taken != form.fused_per_graph:
+    if any(not e.expected for e in report.entries) or taken != form.fused_per_graph:
         raise RuntimeError(
             f"rank {rank}: the fusion pass did not fuse the native block as expected "
             f"({taken} instead of {form.fused_per_graph}):\n{report}"

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch_support import ROWWISE_ON_CPU
 
 import fastmesh
+import fastmesh.compile
 from fastmesh.fp8 import Float8Config
 from fastmesh.ops._fp8_operands import quantize_rows
 from fastmesh.testing.llama import Block, LlamaArgs, block_plan, rope_tables
@@ -156,9 +157,10 @@ def test_compiled_op_saves_the_shard(world_size):
 # ---- a sequence-parallel Llama block: fastmesh's plan against torch's ----
 
 
-def _block_saved_bytes(world: int, compiled: bool, plans=("native", "fastmesh", "fastmesh-keep")):
-    """Saved bytes and gradients of one Llama block's step under each plan, and a gathered input's bytes less its
-    shard's (each of the block's two gathered inputs: attention's, feed-forward's)."""
+def _block_saved_bytes(world: int, compiled, plans=("native", "fastmesh", "fastmesh-keep")):
+    """Saved bytes and gradients of one Llama block's step under each plan (``compiled``: False for eager, else
+    torch.compile's options), and a gathered input's bytes less its shard's (each of the block's two gathered
+    inputs: attention's, feed-forward's). A plan "-keep" keeps the gathered inputs."""
     args = LlamaArgs(dim=48, n_heads=6 if world == 3 else 8, n_kv_heads=3 if world == 3 else 4, ffn_hidden=24 * world)
     batch, seq_len = 2, 4 * world
     torch.manual_seed(0)
@@ -171,7 +173,7 @@ def _block_saved_bytes(world: int, compiled: bool, plans=("native", "fastmesh", 
     for plan in plans:
         name, keep = plan.removesuffix("-keep"), plan.endswith("-keep")
         block = parallelize_module(copy.deepcopy(unsharded), mesh, block_plan(name, keep_gathered=keep))
-        run = torch.compile(block, fullgraph=True) if compiled else block
+        run = torch.compile(block, fullgraph=True, options=compiled) if compiled is not False else block
         x_in = x.clone().requires_grad_()
         with saved_bytes(excluded=list(block.parameters())) as saved:
             y = run(x_in, rope)
@@ -202,4 +204,25 @@ def test_sequence_parallel_block_saves_shards_not_gathered_inputs(world_size):
 @on_ranks(2)
 def test_compiled_sequence_parallel_block_saves_shards(world_size):
     with environment(FASTMESH_TUNE="off"):
-        _check_block(world_size, compiled=True)
+        _check_block(world_size, compiled=None)
+
+
+@on_ranks(2)
+def test_fusion_pass_keeps_the_native_plans_shards(world_size):
+    """The native plan compiled with the fusion pass saves the shards (the gathers run again in backward, left
+    unfused by design), keep_gathered=True the gathered inputs, as torch; the gradients are the same."""
+    with environment(FASTMESH_TUNE="off"):
+        results = {}
+        for keep in (False, True):
+            options = fastmesh.compile.fusion_options(strict=True, keep_gathered=keep)
+            fastmesh.compile.fusion_report(reset=True)
+            results[keep], gathered_less_shard = _block_saved_bytes(world_size, options, plans=("native",))
+            report = fastmesh.compile.fusion_report()
+            by_design = [e for e in report.entries if e.by_design]
+            assert len(by_design) == (0 if keep else 2), str(report)
+            assert all(e.graph_kind == "backward" and e.collective == "all_gather" for e in by_design), str(report)
+    (shards, grads), (kept, kept_grads) = results[False]["native"], results[True]["native"]
+    # each of the two gathered inputs saved as its shard: at least 90% of (gathered - shard) less
+    assert kept - shards >= 0.9 * 2 * gathered_less_shard, (shards, kept, gathered_less_shard)
+    for got, want in zip(grads, kept_grads):
+        torch.testing.assert_close(got, want)

@@ -29,7 +29,10 @@ The fused graph computes what the native one computes, up to summation order. An
 reduce-scatter, any all-reduce of a matmul, and one whose fused plan would not pay, is left as it is, logged on
 the ``fastmesh.compile`` logger and listed in :func:`fusion_report` with the reason (all-reduces of anything but
 a matmul are not listed); ``strict=True`` makes those that cannot be fused a :class:`FusionError`.
-How the pass works and why: ``docs/design/compile.md``.
+With the pass, the native plan's gathered inputs are kept for backward as their shards and gathered again there
+(``fastmesh/compile/saved_shards.py``; ``enable_fusion(keep_gathered=True)`` keeps them gathered, as torch does).
+``fusion_options()`` gives the same as ``torch.compile`` options for one compile. How the pass works and why:
+``docs/design/compile.md``.
 """
 
 from fastmesh.compile.fusion import (
@@ -41,6 +44,7 @@ from fastmesh.compile.fusion import (
     enable_fusion,
     fuse_graph,
     fusion_enabled,
+    fusion_options,
     fusion_report,
 )
 
@@ -53,5 +57,6 @@ __all__ = [
     "enable_fusion",
     "fuse_graph",
     "fusion_enabled",
+    "fusion_options",
     "fusion_report",
 ]

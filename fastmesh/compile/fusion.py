@@ -29,7 +29,8 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
 from fastmesh.compile import patterns, profit, rewrite
-from fastmesh.ops import plans
+from fastmesh.compile.saved_shards import SavedShards
+from fastmesh.ops import backward_gathers, plans
 from fastmesh.ops._inductor_pass import ChainedPass
 
 logger = logging.getLogger("fastmesh.compile")
@@ -59,6 +60,8 @@ class FusionEntry:
             (``detail`` gives the plan and its figures), or because its matmul went into the fused op of
             another collective that moves more (a gathered input and a gathered product of one matmul);
             ``strict=True`` does not fail on these.
+        by_design: left on purpose: the backward's gather of a shard kept in place of the gathered input, for
+            weight gradients (``docs/design/fused-collectives.md``, "Saved for backward"); nor on these.
     """
 
     graph: int
@@ -69,6 +72,12 @@ class FusionEntry:
     matmuls: int
     detail: str
     unprofitable: bool = False
+    by_design: bool = False
+
+    @property
+    def expected(self) -> bool:
+        """Fused, or left as planned (not profitable, or by design): what ``strict=True`` accepts."""
+        return self.fused or self.unprofitable or self.by_design
 
     @property
     def fused(self) -> bool:
@@ -110,6 +119,8 @@ class FusionReport:
                 if e.fused
                 else "left (not profitable)"
                 if e.unprofitable
+                else "left (by design)"
+                if e.by_design
                 else "left"
             )
             lines.append(f"  graph {e.graph} ({e.graph_kind}) {e.collective} {e.node} {outcome}: {e.detail}")
@@ -302,7 +313,7 @@ def _fuse_collectives(graph: Graph, rule: _Rule, index: int, kind: str) -> list[
             detail = f"the row-wise scales of {data}, carried by its fused op"
             outcomes[name] = entry(name, outcomes[data].fused_into, 0, detail)
         elif name not in outcomes:
-            outcomes[name] = entry(name, None, 0, match.reason)
+            outcomes[name] = entry(name, None, 0, match.reason, by_design=match.by_design)
     return [outcomes[name] for name, _ in found]
 
 
@@ -332,9 +343,9 @@ def fuse_graph(graph: Graph, strict: bool = False) -> FusionReport:
             e.detail,
         )
     for e in report.unfused:
-        log = logger.info if e.unprofitable else logger.warning
+        log = logger.info if e.expected else logger.warning
         log("graph %d (%s): %s %s left unfused: %s", index, kind, e.collective, e.node, e.detail)
-    cannot = [e for e in report.unfused if not e.unprofitable]
+    cannot = [e for e in report.entries if not e.expected]
     if strict and cannot:
         left = "; ".join(f"{e.collective} {e.node}: {e.detail}" for e in cannot)
         raise FusionError(
@@ -368,29 +379,59 @@ class FusionPass(ChainedPass):
         return f"strict={self.strict};tune={plans.mode()};{cached}"
 
 
-def enable_fusion(strict: bool = False) -> None:
+def _check_options(strict, keep_gathered) -> None:
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    if not isinstance(keep_gathered, bool):
+        raise TypeError(f"keep_gathered must be a bool, got {type(keep_gathered).__name__}")
+
+
+def _joint_passes(keep_gathered: bool, current):
+    """The joint post pass the fusion needs on top of ``current`` (without a SavedShards of its own): the backward's
+    gathers kept in backward (:mod:`fastmesh.ops.backward_gathers`) and, unless ``keep_gathered``, the native plan's
+    gathered inputs kept as shards (:mod:`fastmesh.compile.saved_shards`)."""
+    joint = current if backward_gathers.installed(current) else backward_gathers.BackwardGathers(current)
+    return joint if keep_gathered else SavedShards(joint)
+
+
+def enable_fusion(strict: bool = False, keep_gathered: bool = False) -> None:
     """Install the fusion pass for every graph inductor compiles from now on (``torch.compile`` with the
     default ``"inductor"`` backend). Graphs already compiled keep their code: call ``torch._dynamo.reset()``
-    to recompile them. Calling it again changes ``strict``; a post-grad custom post pass installed before is
-    kept and runs after fastmesh's.
+    to recompile them. Calling it again changes the options; custom passes installed before are kept and run after
+    fastmesh's.
 
     Args:
         strict: raise :class:`FusionError` (failing the compile) when a graph has a collective of a matmul the
-            pass cannot fuse (not one it leaves as unprofitable), naming it and the reason, instead of logging a
-            warning. Collectives of no matmul (an embedding's, a loss's) are not the pass's.
+            pass cannot fuse (not one it leaves as unprofitable or by design), naming it and the reason, instead
+            of logging a warning. Collectives of no matmul (an embedding's, a loss's) are not the pass's.
+        keep_gathered: keep the native plan's gathered inputs for backward, as torch does, instead of their shards
+            (default: the shards, gathered again in backward; :mod:`fastmesh.compile.saved_shards`). Installed as
+            inductor's ``joint_custom_post_pass``.
     """
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
-    current = inductor_config.post_grad_custom_post_pass
-    previous = current.previous if isinstance(current, FusionPass) else current
-    inductor_config.post_grad_custom_post_pass = FusionPass(strict, previous)
+    _check_options(strict, keep_gathered)
+    disable_fusion()
+    inductor_config.post_grad_custom_post_pass = FusionPass(strict, inductor_config.post_grad_custom_post_pass)
+    inductor_config.joint_custom_post_pass = _joint_passes(keep_gathered, inductor_config.joint_custom_post_pass)
+
+
+def fusion_options(strict: bool = False, keep_gathered: bool = False) -> dict:
+    """The fusion as inductor options for one compile, ``torch.compile(model, options=fusion_options())``: what
+    :func:`enable_fusion` installs for every compile (the same arguments), for this one alone. Replaces any
+    custom post-grad and joint post passes for that compile."""
+    _check_options(strict, keep_gathered)
+    return {
+        "post_grad_custom_post_pass": FusionPass(strict),
+        "joint_custom_post_pass": _joint_passes(keep_gathered, None),
+    }
 
 
 def disable_fusion() -> None:
-    """Uninstall the pass (restoring the post pass that was there before :func:`enable_fusion`)."""
+    """Uninstall the pass (restoring the custom passes that were there before :func:`enable_fusion`)."""
     current = inductor_config.post_grad_custom_post_pass
     if isinstance(current, FusionPass):
         inductor_config.post_grad_custom_post_pass = current.previous
+    if isinstance(inductor_config.joint_custom_post_pass, SavedShards):
+        inductor_config.joint_custom_post_pass = inductor_config.joint_custom_post_pass.previous
 
 
 def fusion_enabled() -> bool:

@@ -47,14 +47,16 @@ RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 MM = aten.mm.default
 ADDMM = aten.addmm.default
 SCALED_MM = aten._scaled_mm.default
+TRANSPOSES = (aten.permute.default, aten.t.default)
 DTYPE_VIEW = aten.view.dtype
 
 
 @dataclasses.dataclass(frozen=True)
 class Unfusable:
-    """Why a collective was left as it is."""
+    """Why a collective was left as it is; ``by_design``: a collective the pass leaves on purpose (not a failure)."""
 
     reason: str
+    by_design: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +188,41 @@ _MULTIPLIED = {
 }
 
 
-def _multiplied_later(node: Node) -> bool:
+def _weight_gradient_gather(gathered: Node) -> bool:
+    """Whether every use of the gathered tensor is, through reshapes to 2-D, a matmul whose contraction is the
+    gathered rows: a weight gradient, ``G.T @ a`` (a the right operand, of ``mm`` or ``addmm``) or ``a.T @ G`` (a
+    transposed, left). Fused, it would split those sums over the ranks' rows."""
+    stack, gradients = [gathered], 0
+    while stack:
+        node = stack.pop()
+        matrix = (value := fake_value(node)) is not None and value.dim() == 2
+        for user in node.users:
+            if user.target in RESHAPES:
+                stack.append(user)
+            elif matrix and (_right_operand_of_mm(user, node) or _transposed_left_operand_of_mms(user)):
+                gradients += 1
+            else:
+                return False
+    return gradients > 0
+
+
+def _right_operand_of_mm(user: Node, node: Node) -> bool:
+    """``mm(x, node)`` or ``addmm(c, x, node)`` (inductor folds a tied embedding's gradient into an LM head's weight
+    gradient so)."""
+    if user.target == MM:
+        return user.args[1] is node and user.args[0] is not node
+    return user.target == ADDMM and len(user.args) == 3 and user.args[2] is node and node not in user.args[:2]
+
+
+def _transposed_left_operand_of_mms(user: Node) -> bool:
+    return (
+        user.target in TRANSPOSES
+        and bool(user.users)
+        and all(use.target == MM and use.args[0] is user for use in user.users)
+    )
+
+
+def multiplied_later(node: Node) -> bool:
     """Whether a matmul multiplies ``node`` or a tensor computed from it. Being added by one does not count: inductor
     folds a tied embedding's gradient into the LM head's weight gradient as ``addmm(embedding_grad, g, h)``."""
     seen, stack = {node}, [node]
@@ -275,7 +311,7 @@ def _fp8_view(node: Node) -> Node | None:
     return None
 
 
-def _gathered_tensor(collective: Node):
+def gathered_tensor(collective: Node):
     """``(wait, gathered, gather_dim, layout nodes)`` of an all-gather: the tensor its program uses, after the
     split/cat that moves the rank blocks to ``gather_dim`` and any view as FP8; None if its result is used
     before or besides its wait."""
@@ -312,7 +348,7 @@ def _scale_gather(scale: Node, shard: Node, gather_dim: int) -> ScaleGather | Un
     while source.target in (aten.cat.default, operator.getitem, aten.split.Tensor) or source.target in RESHAPES:
         source = source.args[0][0] if source.target == aten.cat.default else source.args[0]
     collective = source.args[0] if source.target == WAIT else None
-    found = _gathered_tensor(collective) if collective is not None and collective.target == ALL_GATHER else None
+    found = gathered_tensor(collective) if collective is not None and collective.target == ALL_GATHER else None
     if found is None or found[1] is not node or found[2] != gather_dim:
         return Unfusable(
             "the row-wise scale of the gathered FP8 operand is not the all-gather of a scale shard along the same dim"
@@ -428,7 +464,7 @@ def match_all_gather(collective: Node) -> GatherMatch | ProductGatherMatch | Unf
     tensor no matmul multiplies, directly or through other ops (an embedding's gradient), which the pass does not
     list."""
     shard, _, group_name = collective.args[:3]
-    found = _gathered_tensor(collective)
+    found = gathered_tensor(collective)
     if found is None:
         return Unfusable(
             f"the all-gather's result is used before or besides its wait_tensor ({_describe_nodes(collective.users)})"
@@ -443,9 +479,16 @@ def match_all_gather(collective: Node) -> GatherMatch | ProductGatherMatch | Unf
             return Unfusable("the gathered FP8 data is not the all-gather of an FP8 shard (or of its bytes)")
         shard = shard.args[0]
     consumers, others, views = _consumers_of(gathered)
+    if not consumers and _weight_gradient_gather(gathered):
+        return Unfusable(
+            "it gathers a shard kept for backward for weight gradients (matmuls whose contraction is its rows): "
+            "left unfused, as fastmesh's own backward leaves it (docs/design/fused-collectives.md, Saved for "
+            "backward)",
+            by_design=True,
+        )
     if not consumers and _matmul_fed(shard):
         return _match_product_gather(collective, wait, shard, gather_dim, group_name, gathered, layout_nodes)
-    if not consumers and not _multiplied_later(gathered):
+    if not consumers and not multiplied_later(gathered):
         return None  # no matmul multiplies it (an embedding's gradient): none of the pass's business
     if not consumers:
         return Unfusable(

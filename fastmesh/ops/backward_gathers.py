@@ -11,9 +11,10 @@ there and the partitioner saves their input, the shard.
 
 Only all-gathers that autograd traced in backward are tagged (those that need a gradient are in backward anyway);
 forward all-gathers, other collectives and other nodes are left as they are. It is
-installed once per process (:func:`install_once`), the first time a fastmesh op whose backward gathers is traced,
-as inductor's ``joint_custom_post_pass``; a pass installed there before runs after it. A pass installed there later
-replaces it: the compiled backward then keeps the gathered input (the same gradients, more memory).
+installed (:func:`install_once`) when a fastmesh op whose backward gathers is traced, as inductor's
+``joint_custom_post_pass``, where it is not there already; a pass installed there before runs after it. A pass
+installed there later, between the trace and the partition, replaces it: that compiled backward then keeps the
+gathered input (the same gradients, more memory).
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # AOTAutograd's tags (torch 2.11-2.14: torch/_functorch/_aot_autograd/graph_capture_wrappers.py, partitioners.py).
 _TAG = "partitioner_tag"
 _TRACED_IN_BACKWARD, _MUST_BE_IN_BACKWARD = "is_backward", "must_be_in_backward"
-
-_installed = False
 
 
 def keep_in_backward(graph: Graph) -> int:
@@ -55,11 +54,21 @@ class BackwardGathers(ChainedPass):
         keep_in_backward(graph)
 
 
+def installed(current=None) -> bool:
+    """Whether :class:`BackwardGathers` is among the joint post passes (``current``: inductor's setting)."""
+    current = inductor_config.joint_custom_post_pass if current is None else current
+    pending = list(current) if isinstance(current, (list, tuple)) else [current]
+    while pending:
+        candidate = pending.pop()
+        if isinstance(candidate, BackwardGathers):
+            return True
+        if isinstance(candidate, ChainedPass):
+            pending.extend(candidate.previous_passes())
+    return False
+
+
 def install_once() -> None:
-    """Installs :class:`BackwardGathers` as inductor's joint post pass, once per process."""
-    global _installed
-    if not _installed:
-        current = inductor_config.joint_custom_post_pass
-        if not isinstance(current, BackwardGathers):
-            inductor_config.joint_custom_post_pass = BackwardGathers(current)
-        _installed = True
+    """Installs :class:`BackwardGathers` as inductor's joint post pass where it is not among them (checked on every
+    trace: a compile's ``options=`` may have set that pass only for itself)."""
+    if not installed():
+        inductor_config.joint_custom_post_pass = BackwardGathers(inductor_config.joint_custom_post_pass)
