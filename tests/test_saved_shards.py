@@ -114,7 +114,7 @@ def test_a_weight_without_gradient_saves_nothing_of_the_input(world_size):
         assert a.grad is not None
 
 
-@on_ranks(2, 4)
+@on_ranks(2, 3, 4)
 def test_fp8_forms_save_the_fp8_shard_and_give_the_same_gradients(world_size):
     rank = dist.get_rank()
     for granularity, backward_in_fp8 in itertools.product(FP8_GRANULARITIES, (False, True)):
@@ -152,6 +152,59 @@ def test_compiled_op_saves_the_shard(world_size):
     # keep_gathered=False: the shard's gather again, in the backward graph; True: none
     assert census.total("native.all_gather_into_tensor", "forward") == 0, census.graphs
     assert census.total("native.all_gather_into_tensor", "backward") == 1, census.graphs
+    # FP8: the FP8 shard and its scale, compiled as eager
+    config = Float8Config(granularity="tensorwise")
+    a_shard = _randn((2, 4, 64), seed=dist.get_rank())
+    bs = [_randn((64, 32), seed=11)]
+    with environment(FASTMESH_TUNE="off"):
+        saved, _, compiled = _call(a_shard, bs, 1, False, fp8=config, compiled=True)
+        torch._dynamo.reset()
+    _, _, eager = _call(a_shard, bs, 1, False, fp8=config)
+    # Compiled, the partitioner also keeps the FP8 weight (transposed) and its scale for the input gradient's
+    # multiply, quantized once in forward rather than again in backward: bytes of the weight, not the input.
+    fp8_weight = bs[0].numel() + 4
+    assert saved - fp8_weight == _fp8_shard_bytes(a_shard, config, world_size, False), saved
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
+
+
+@on_ranks(2, 3)
+def test_styles_save_the_shard(world_size):
+    """FusedColwiseParallel on a sequence-sharded input and ColumnParallelLinear(sequence_parallel=True) keep the
+    input's shard (keep_gathered=True: the gathered input); biased, odd sizes; the same gradients either way."""
+    from torch.distributed.tensor import Shard
+
+    from fastmesh.nn import ColumnParallelLinear
+    from fastmesh.parallel import FusedColwiseParallel
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(12, 5 * world_size)
+    x = _randn((2, 3, 12), seed=dist.get_rank())  # this rank's 3 rows of a [2, 3 * W, 12] input
+    shard = x.numel() * x.element_size()
+
+    def modules(keep):
+        style = FusedColwiseParallel(input_layouts=Shard(1), keep_gathered=keep)
+        yield "FusedColwiseParallel", parallelize_module(copy.deepcopy(linear), mesh, style), x
+        column = ColumnParallelLinear.from_linear(linear, sequence_parallel=True, keep_gathered=keep)
+        yield "ColumnParallelLinear", column, x.transpose(0, 1).contiguous()  # Megatron's [S, B, H]
+
+    results = {}
+    for keep in (False, True):
+        for name, module, given in modules(keep):
+            given = given.clone().requires_grad_()
+            with saved_bytes(excluded=list(module.parameters())) as saved:
+                out = module(given)
+            out = out[0] if isinstance(out, tuple) else out
+            assert saved.total == (world_size if keep else 1) * shard, f"{name}, keep_gathered {keep}: {saved.total}"
+            (out * _randn(out.shape, seed=5 + dist.get_rank())).sum().backward()
+            results[name, keep] = [given.grad] + [_local(p.grad) for p in module.parameters()]
+    for name in ("FusedColwiseParallel", "ColumnParallelLinear"):
+        _assert_same_gradients(results[name, False], results[name, True], name)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 # ---- a sequence-parallel Llama block: fastmesh's plan against torch's ----

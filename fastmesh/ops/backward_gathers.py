@@ -5,16 +5,17 @@ The column-parallel backward of ``all_gather_matmul`` (``csrc/fused/autograd.cpp
 not kept from forward to backward. Under ``torch.compile``, AOTAutograd's min-cut partitioner puts every node that
 depends on no gradient into the forward graph, and always saves a collective's result rather than run it again
 (``force_save_collectives``): that re-gather would run in forward and its result, the gathered input, be saved, as
-if it had been kept. :class:`BackwardGathers`, a joint-graph pass, tags each all-gather traced in backward, and its
-wait, ``must_be_in_backward``, the partitioner's own tag for a node that belongs to the backward graph: they stay
-there and the partitioner saves their input, the shard.
+if it had been kept. :class:`BackwardGathers`, a joint-graph pass, tags each all-gather that only backward needs
+(every use of it reaches the graph's outputs through values computed from a gradient), and its wait,
+``must_be_in_backward``, the partitioner's own tag for a node that belongs to the backward graph: they stay there
+and the partitioner saves their input, the shard. (AOTAutograd tags the nodes it traces in backward, but not those
+of an ``autograd.Function``'s backward that dynamo traced, the FP8 forms': hence the rule on uses.)
 
-Only all-gathers that autograd traced in backward are tagged (those that need a gradient are in backward anyway);
-forward all-gathers, other collectives and other nodes are left as they are. It is
-installed (:func:`install_once`) when a fastmesh op whose backward gathers is traced, as inductor's
-``joint_custom_post_pass``, where it is not there already; a pass installed there before runs after it. A pass
-installed there later, between the trace and the partition, replaces it: that compiled backward then keeps the
-gathered input (the same gradients, more memory).
+Only such all-gathers are tagged (those that need a gradient are in backward anyway); forward all-gathers, other
+collectives and other nodes are left as they are. It is installed (:func:`install_once`) when a fastmesh op whose
+backward gathers is traced, as inductor's ``joint_custom_post_pass``, where it is not there already; a pass
+installed there before runs after it. A pass installed there later, between the trace and the partition, replaces
+it: that compiled backward then keeps the gathered input (the same gradients, more memory).
 """
 
 from __future__ import annotations
@@ -27,16 +28,41 @@ from fastmesh.ops._inductor_pass import ChainedPass
 
 _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-# AOTAutograd's tags (torch 2.11-2.14: torch/_functorch/_aot_autograd/graph_capture_wrappers.py, partitioners.py).
-_TAG = "partitioner_tag"
-_TRACED_IN_BACKWARD, _MUST_BE_IN_BACKWARD = "is_backward", "must_be_in_backward"
+# The partitioner's tag for a node of the backward graph (torch 2.11-2.14: torch/_functorch/partitioners.py).
+_TAG, _MUST_BE_IN_BACKWARD = "partitioner_tag", "must_be_in_backward"
+
+
+def _tangent_dependent(graph: Graph) -> set:
+    """The nodes computed from a gradient (a ``tangents_*`` input of the joint graph, as the partitioner tells them)."""
+    dependent = set()
+    for node in graph.nodes:  # in topological order
+        is_tangent = node.op == "placeholder" and "tangents" in str(node.target)
+        if is_tangent or any(arg in dependent for arg in node.all_input_nodes):
+            dependent.add(node)
+    return dependent
+
+
+def _only_for_gradients(node, tangent_dependent: set) -> bool:
+    """Whether every use of ``node`` reaches the graph's outputs only through nodes computed from a gradient: a
+    value backward needs and forward does not."""
+    seen, stack = {node}, [node]
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "output":  # a forward output (the output node itself also returns the gradients)
+                return False
+            if user in tangent_dependent or user in seen:
+                continue
+            seen.add(user)
+            stack.append(user)
+    return True
 
 
 def keep_in_backward(graph: Graph) -> int:
-    """Tags each all-gather traced in backward, and its waits, ``must_be_in_backward``; returns how many gathers."""
+    """Tags each all-gather that only backward needs, and its waits, ``must_be_in_backward``; returns how many."""
+    tangent_dependent = _tangent_dependent(graph)
     tagged = 0
     for node in graph.nodes:
-        if node.target is _GATHER and node.meta.get(_TAG) == _TRACED_IN_BACKWARD:
+        if node.target is _GATHER and node not in tangent_dependent and _only_for_gradients(node, tangent_dependent):
             node.meta[_TAG] = _MUST_BE_IN_BACKWARD
             for user in node.users:
                 if user.target is _WAIT:

@@ -262,14 +262,16 @@ def _start_fp8_gather(a_data, a_scale, gather_dim: int, group_name: str):
     """The FP8 shard and its scale (saved for backward) gathered again, in the op's layout: started now, (the gathered
     FP8 a, its scales per row) waited for by calling what this returns."""
     scale_rows = a_scale.expand(*a_data.shape[:-1], 1) if a_scale.dim() == 0 else a_scale  # tensor-wise: one per row
-    # One-byte types (FP8 data, MX's E8M0 scales) travel as bytes: gloo has none of them.
-    pending = [
-        (started_all_gather(t.view(torch.uint8) if t.element_size() == 1 else t, gather_dim, group_name), t.dtype)
-        for t in (a_data, scale_rows)
-    ]
+    # One transfer of each row's bytes, its FP8 data then its scales (gloo has no FP8 types; one collective in flight,
+    # not two).
+    k = a_data.shape[-1]
+    packed = torch.cat([a_data.view(torch.uint8), scale_rows.contiguous().view(torch.uint8)], dim=-1)
+    finish = started_all_gather(packed, gather_dim, group_name)
 
     def gathered():
-        return tuple(finish().view(dtype) for finish, dtype in pending)
+        rows = finish()
+        data = rows[..., :k].contiguous().view(a_data.dtype)
+        return data, rows[..., k:].contiguous().view(a_scale.dtype)
 
     return gathered
 
