@@ -265,13 +265,16 @@ def _start_fp8_gather(a_data, a_scale, gather_dim: int, group_name: str):
     # One transfer of each row's bytes, its FP8 data then its scales (gloo has no FP8 types; one collective in flight,
     # not two).
     k = a_data.shape[-1]
-    packed = torch.cat([a_data.view(torch.uint8), scale_rows.contiguous().view(torch.uint8)], dim=-1)
+    # Fresh row-major strides: a contiguous tensor may keep stride 0 on a size-1 last dim, which a byte view refuses.
+    scale_rows = scale_rows.clone(memory_format=torch.contiguous_format)
+    packed = torch.cat([a_data.view(torch.uint8), scale_rows.view(torch.uint8)], dim=-1)
     finish = started_all_gather(packed, gather_dim, group_name)
 
     def gathered():
         rows = finish()
         data = rows[..., :k].contiguous().view(a_data.dtype)
-        return data, rows[..., k:].contiguous().view(a_scale.dtype)
+        # A copy of its own (offset 0, row-major): the scales' bytes start at byte k of a row, unaligned.
+        return data, rows[..., k:].clone(memory_format=torch.contiguous_format).view(a_scale.dtype)
 
     return gathered
 
