@@ -168,6 +168,30 @@ def test_compiled_op_saves_the_shard(world_size):
         torch.testing.assert_close(got, want)
 
 
+@on_ranks(2)
+def test_compiled_op_planned_unfused_saves_the_shard(world_size):
+    """Under the default planner these sizes plan unfused, and inductor traces the op as torch's gather and matmuls;
+    AOTAutograd's CSE merges that gather with the backward's gather of the same shard. The merged gather still runs
+    again in backward: the shard is saved (the gathered input with keep_gathered), the gradients are eager's."""
+    a_shard = _randn((2, 4, 16), seed=dist.get_rank())
+    bs = [_randn((16, 8), seed=10), _randn((16, 12), seed=11)]
+    shard = a_shard.numel() * a_shard.element_size()
+    with environment(FASTMESH_TUNE="model"):
+        for keep in (False, True):
+            torch._dynamo.reset()
+            _, _, eager = _call(a_shard, bs, 1, keep)
+            with graph_census() as census:
+                saved, _, compiled = _call(a_shard, bs, 1, keep, compiled=True)
+            assert saved == (world_size if keep else 1) * shard, f"keep_gathered {keep}: saved {saved}"
+            for got, want in zip(compiled, eager):
+                torch.testing.assert_close(got, want)
+            # traced unfused: torch's gather in forward, and again in backward unless the gathered input is kept
+            assert census.total("fastmesh.all_gather_matmul") == 0, census.graphs
+            assert census.total("native.all_gather_into_tensor", "forward") == 1, census.graphs
+            assert census.total("native.all_gather_into_tensor", "backward") == (0 if keep else 1), census.graphs
+    torch._dynamo.reset()
+
+
 @on_ranks(2, 3)
 def test_styles_save_the_shard(world_size):
     """FusedColwiseParallel on a sequence-sharded input and ColumnParallelLinear(sequence_parallel=True) keep the

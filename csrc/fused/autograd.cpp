@@ -32,13 +32,14 @@ c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// keep_gathered only tells this file's autograd what to save: below autograd it changes nothing.
+// keep_gathered tells this file's autograd what to save. Below autograd the kernels ignore it; the op's unfused trace
+// under torch.compile passes it on to the partitioner (fastmesh/ops/backward_gathers.py), so it is passed down.
 GatherResult call_all_gather_matmul(const at::Tensor& a_shard, at::TensorList bs, int64_t gather_dim,
-                                    c10::string_view group_name, bool return_a, int64_t pieces) {
+                                    c10::string_view group_name, bool return_a, int64_t pieces, bool keep_gathered) {
   static const auto op =
       typed_op<GatherResult(const at::Tensor&, at::TensorList, int64_t, c10::string_view, bool, int64_t, bool)>(
           "fastmesh::all_gather_matmul");
-  return op.call(a_shard, bs, gather_dim, group_name, return_a, pieces, false);
+  return op.call(a_shard, bs, gather_dim, group_name, return_a, pieces, keep_gathered);
 }
 
 at::Tensor call_matmul_reduce_scatter(const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
@@ -166,7 +167,7 @@ class AllGatherMatmul : public torch::autograd::Function<AllGatherMatmul> {
     GatherResult result;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      result = call_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a || keep, pieces);
+      result = call_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a || keep, pieces, keep);
     }
     auto& [a_full, outs] = result;
     // Unused outputs (typically the gathered a, returned only for this backward) get no gradient rather than
@@ -256,7 +257,7 @@ class MatmulReduceScatter : public torch::autograd::Function<MatmulReduceScatter
     at::Tensor grad_c;
     if (need_a) {
       auto [gathered, outs] = call_all_gather_matmul(grad_out.contiguous(), {b.t()}, dim, group_name, need_b,
-                                                     ctx->saved_data["pieces"].toInt());
+                                                     ctx->saved_data["pieces"].toInt(), false);
       result[0] = outs[0];
       if (gathered) grad_c = *gathered;
     } else if (need_b) {
@@ -338,7 +339,7 @@ GatherResult all_gather_matmul_autograd(const at::Tensor& a_shard, at::TensorLis
                                         bool keep_gathered) {
   if (!records_backward(a_shard, bs)) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return call_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, pieces);
+    return call_all_gather_matmul(a_shard, bs, gather_dim, group_name, return_a, pieces, keep_gathered);
   }
   variable_list out = AllGatherMatmul::apply(a_shard, bs, gather_dim, group_name, return_a, pieces, keep_gathered);
   if (!return_a) return {std::nullopt, out};

@@ -11,8 +11,14 @@ if it had been kept. :class:`BackwardGathers`, a joint-graph pass, tags each all
 and the partitioner saves their input, the shard. (AOTAutograd tags the nodes it traces in backward, but not those
 of an ``autograd.Function``'s backward that dynamo traced, the FP8 forms': hence the rule on uses.)
 
-Only such all-gathers are tagged (those that need a gradient are in backward anyway); forward all-gathers, other
-collectives and other nodes are left as they are. It is installed (:func:`install_once`) when a fastmesh op whose
+An op whose plan is unfused is traced as torch's own gather and matmuls (``traced_unfused``), and AOTAutograd's CSE
+merges that forward gather with the backward's gather of the same shard into one node, which the partitioner then
+saves. Its trace marks the gather (:func:`recomputed_in_backward`, unless ``keep_gathered``), and the pass tags
+the marked forward nodes ``MUST_RECOMPUTE`` (the partitioner's tag for activation checkpointing, which its ban on
+recomputing collectives respects): the shard is saved and gathered again in backward, as eager does.
+
+Only these all-gathers are tagged (those that need a gradient are in backward anyway); other forward all-gathers,
+other collectives and other nodes are left as they are. It is installed (:func:`install_once`) when a fastmesh op whose
 backward gathers is traced, as inductor's ``joint_custom_post_pass``, where it is not there already; a pass
 installed there before runs after it. A pass installed there later, between the trace and the partition, replaces
 it: that compiled backward then keeps the gathered input (the same gradients, more memory).
@@ -20,9 +26,13 @@ it: that compiled backward then keeps the gathered input (the same gradients, mo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.fx.traceback
 from torch._inductor import config as inductor_config
 from torch.fx import Graph
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fastmesh.ops._inductor_pass import ChainedPass
 
@@ -30,6 +40,14 @@ _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # The partitioner's tag for a node of the backward graph (torch 2.11-2.14: torch/_functorch/partitioners.py).
 _TAG, _MUST_BE_IN_BACKWARD = "partitioner_tag", "must_be_in_backward"
+# The mark of a traced gather whose shard backward keeps (in the node's ``meta["custom"]``, set by ``annotate``).
+_SHARD_KEPT = "fastmesh_shard_kept"
+
+
+def recomputed_in_backward() -> contextlib.AbstractContextManager:
+    """Marks the nodes traced inside it (a gather of a shard and its layout ops) to be run again in backward rather
+    than saved (module docstring)."""
+    return torch.fx.traceback.annotate({_SHARD_KEPT: True})
 
 
 def _tangent_dependent(graph: Graph) -> set:
@@ -58,16 +76,25 @@ def _only_for_gradients(node, tangent_dependent: set) -> bool:
 
 
 def keep_in_backward(graph: Graph) -> int:
-    """Tags each all-gather that only backward needs, and its waits, ``must_be_in_backward``; returns how many."""
+    """Tags each all-gather that only backward needs, and its waits, ``must_be_in_backward``, and the forward nodes
+    marked by :func:`recomputed_in_backward` ``MUST_RECOMPUTE``; returns how many all-gathers it tagged."""
     tangent_dependent = _tangent_dependent(graph)
     tagged = 0
     for node in graph.nodes:
-        if node.target is _GATHER and node not in tangent_dependent and _only_for_gradients(node, tangent_dependent):
-            node.meta[_TAG] = _MUST_BE_IN_BACKWARD
-            for user in node.users:
-                if user.target is _WAIT:
-                    user.meta[_TAG] = _MUST_BE_IN_BACKWARD
-            tagged += 1
+        # Backward's nodes inherit the marks of the forward nodes they differentiate: only forward uses count.
+        marked = node.meta.get("custom", {}).get(_SHARD_KEPT, False)
+        if node in tangent_dependent or not (marked or node.target is _GATHER):
+            continue
+        if _only_for_gradients(node, tangent_dependent):
+            if node.target is _GATHER:
+                node.meta[_TAG] = _MUST_BE_IN_BACKWARD
+                for user in node.users:
+                    if user.target is _WAIT:
+                        user.meta[_TAG] = _MUST_BE_IN_BACKWARD
+                tagged += 1
+        elif marked:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tagged += node.target is _GATHER
     return tagged
 
 

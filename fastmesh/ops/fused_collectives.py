@@ -31,6 +31,7 @@ How a call runs (pieces, plans, CUDA paths): ``docs/plans.md`` and ``docs/design
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -209,7 +210,8 @@ def _all_gather_matmul_traced(a_shard, bs, gather_dim, group_name, return_a=Fals
     dim = gather_dim % a_shard.dim()
     if not traced_unfused.plans_unfused(lambda: gather_plan_call(a_shard, bs, dim, group_name), pieces, a_shard, *bs):
         return NotImplemented
-    a = traced_all_gather(a_shard, dim, group_name)
+    with contextlib.nullcontext() if keep_gathered else backward_gathers.recomputed_in_backward():
+        a = traced_all_gather(a_shard, dim, group_name)
     return (a if return_a else None), [a @ b for b in bs]
 
 
