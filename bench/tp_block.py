@@ -16,6 +16,9 @@ Contenders, timed in the same interleaved rounds (each round starts with a barri
 slowest rank):
 
 * ``fastmesh`` (kernel) and ``native`` (baseline): the two plans, eager;
+* sequence-parallel, ``fastmesh_keep`` (baseline): fastmesh's plan with ``keep_gathered=True``, eager: each gathered
+  input kept for backward instead of its shard, which ``fastmesh`` gathers again in backward
+  (``speedup_vs_fastmesh_keep``: what that second gather costs; the saved bytes: what it saves);
 * float32 / bfloat16 also compiled (``torch.compile(fullgraph=True)``, inductor): ``native_c``,
   ``native_c+pass`` (the native plan compiled with fastmesh's fusion pass, which must fuse every matmul
   collective of the native graphs, 4 + 4 sequence-parallel and 2 + 5 plain, or leave them as not profitable:
@@ -74,6 +77,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": 
 FP8_ROWWISE, FP8_TENSORWISE = Float8Config(granularity="rowwise"), Float8Config(granularity="tensorwise")
 # name -> (plan, fusion pass on): the compiled contenders
 COMPILED = {"native_c": ("native", False), "native_c+pass": ("native", True), "fastmesh_c": ("fastmesh", False)}
+KEPT = "fastmesh_keep"  # fastmesh's plan keeping the gathered inputs (keep_gathered=True)
 HEAD_DIM = 64
 PROFILE_STEPS = 3
 # assert_close (rtol, atol) between the plans, for unit-scale outputs and input gradients (|values| up to ~8).
@@ -197,6 +201,8 @@ def _fp8_config(device_type, note):
 def _variants(dtype_name, form, mesh, note):
     """{contender: (plan, fusion)} for one dtype; plan "native" / "fastmesh" (the form names the block plan)."""
     variants = {"native": ("native", None), "fastmesh": ("fastmesh", None)}
+    if form.sequence_parallel:  # plain TP gathers no input
+        variants[KEPT] = ("fastmesh", None)
     if dtype_name != "float8":
         variants.update(COMPILED)
     elif form.sequence_parallel:  # torchao's float8 plan here is the sequence-parallel one
@@ -238,7 +244,7 @@ def block_steps(shape, form, dtype_name, mesh, note):
             block = parallelize_module(torchao_baselines.convert(block), mesh, torchao_baselines.block_plan(mesh))
         else:
             fp8 = fp8_config if plan == "fastmesh" and dtype_name == "float8" else None
-            block = parallelize_module(block, mesh, block_plan(form.plans[plan], fp8=fp8))
+            block = parallelize_module(block, mesh, block_plan(form.plans[plan], fp8=fp8, keep_gathered=name == KEPT))
         steps[name] = _step(block, x, rope, fusion)
         fastmesh.compile.fusion_report(reset=True)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
