@@ -241,7 +241,10 @@ class FusedColwiseParallel(ParallelStyle):
         larger = linear.out_features > linear.in_features
         output = larger and self.fp8 is None and linear.bias is None
         if output:
-            said = "the output columns' gather is overlapped with the matmul (matmul_all_gather), the input's not"
+            said = (
+                "the output columns' gather is overlapped with the matmul (matmul_all_gather), the input's not "
+                "(a sequence-sharded input is kept gathered for backward, not as its shard)"
+            )
         else:
             why = "it moves less" if not larger else "fp8 has no matmul_all_gather" if self.fp8 else "a bias"
             said = f"the output columns' gather is not overlapped ({why})"
